@@ -1,0 +1,318 @@
+"""PPO on Atari, synchronous and data-parallel over GPUs.
+
+Proximal Policy Optimization (Schulman et al. 2017, arXiv 1707.06347) as run in "Accelerated
+Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811): one process per
+GPU, each driving its own emulators with batched inference (paper Sec. 3.1), and every optimizer
+step taken on gradients averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters.
+Hyperparameters follow CleanRL's `ppo_atari.py`, which matches the PPO paper's Atari settings.
+
+Launch:
+    python algos/ppo_multigpu.py --env-id Pong-v5                         # one process
+    torchrun --standalone --nproc_per_node 8 algos/ppo_multigpu.py        # 8 GPUs, one machine
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 algos/ppo_multigpu.py                  # 2 machines
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from common import checkpoint, dist, envs  # noqa: E402
+from common.logger import Logger  # noqa: E402
+from common.sampler import Sampler  # noqa: E402
+
+
+@dataclass
+class Args:
+    env_id: str = "Pong-v5"
+    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
+    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
+    seed: int = 1
+    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    total_timesteps: int = 10_000_000
+    """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
+    num_envs: int = 8
+    """environments per rank (paper: 8 per GPU for PPO)"""
+    cuda: bool = True
+    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    run_dir: str | None = None
+    """output directory; default runs/<env>__ppo_multigpu__<seed>__<unix time>"""
+    alternate: bool = False
+    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
+    checkpoint_interval: int = 0
+    """global steps between checkpoints; 0 means only at the end"""
+    resume: str | None = None
+    """checkpoint file or run directory to continue, up to the same --total-timesteps"""
+    episodic_life: bool = True
+    """end the learner's episode at each life loss, the game going on (paper: on)"""
+    sticky_actions: bool = False
+    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
+    clip_rewards: bool = True
+    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+
+    num_steps: int = 128
+    """steps per environment per rollout (PPO paper, Atari)"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate (PPO paper, Atari)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over --total-timesteps (PPO paper, Atari)"""
+    gamma: float = 0.99
+    """discount factor (PPO paper)"""
+    gae_lambda: float = 0.95
+    """GAE lambda (PPO paper)"""
+    num_minibatches: int = 4
+    """minibatches per epoch, each rank splitting its own batch (PPO paper: 4 x 256)"""
+    update_epochs: int = 4
+    """passes over each batch (Atari: 3 in the PPO paper, 4 in CleanRL and baselines' ppo2)"""
+    norm_adv: bool = True
+    """normalise advantages, with statistics over the global batch (see ppo_update)"""
+    clip_coef: float = 0.1
+    """surrogate clipping epsilon (PPO paper, Atari)"""
+    clip_vloss: bool = True
+    """clip the value function update like the policy's (baselines' ppo2)"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (PPO paper, Atari)"""
+    vf_coef: float = 0.5
+    """value loss coefficient (baselines' ppo2)"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip, applied after averaging over ranks (baselines' ppo2)"""
+    target_kl: float | None = None
+    """stop an update's epochs early when the rank-averaged approximate KL exceeds this"""
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
+    nn.init.orthogonal_(layer.weight, std)  # orthogonal init as in baselines' Atari policies
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class Agent(nn.Module):
+    """Nature-DQN torso (Mnih et al. 2015) with a policy head and a value head."""
+
+    def __init__(self, num_actions: int):
+        super().__init__()
+        self.torso = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
+        self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N]."""
+        h = self.torso(obs.float() / 255.0)
+        return self.actor(h), self.critic(h).squeeze(-1)
+
+
+def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout.
+
+    At a termination the next state's value is 0. At a truncation it is the value of the true
+    last observation (final_values), since the episode would have gone on. Either way the
+    recursion does not cross into the next episode. next_value [B] bootstraps the last step.
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        v_next = next_value if t == T - 1 else values[t + 1]
+        v_next = torch.where(truncated[t], final_values[t], v_next)
+        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
+        delta = rewards[t] + gamma * v_next - values[t]
+        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
+        advantages[t] = running
+    return advantages
+
+
+def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+               args: Args) -> tuple[dict[str, float], float]:
+    """Clipped-surrogate PPO epochs over this rank's flat batch; returns (stats, comm seconds).
+
+    Each minibatch's gradient is averaged over ranks before clipping and the Adam step, so with
+    R ranks a step sees R x (batch / num_minibatches) samples and every rank stays identical.
+    """
+    adv = batch["advantages"]
+    if args.norm_adv:
+        # Global statistics, once per batch: per-rank (or per-minibatch) statistics would make the
+        # R-rank update differ from a 1-rank update on the same data.
+        m = dist.all_reduce_mean(torch.stack([adv.mean(), (adv * adv).mean()]))
+        adv = (adv - m[0]) / (torch.sqrt(torch.clamp(m[1] - m[0] ** 2, min=0.0)) + 1e-8)
+    n = adv.shape[0]
+    mb_size = n // args.num_minibatches
+    sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
+                          "clipfrac"), 0.0)
+    updates, comm = 0, 0.0
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(n, device=adv.device)
+        kls = []
+        for start in range(0, n, mb_size):
+            idx = perm[start:start + mb_size]
+            logits, value = agent(batch["obs"][idx])
+            pi = Categorical(logits=logits)
+            logratio = pi.log_prob(batch["actions"][idx]) - batch["logprob"][idx]
+            ratio = logratio.exp()
+            mb_adv = adv[idx]
+            pg_loss = torch.max(-mb_adv * ratio,
+                                -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+            ret, old_v = batch["returns"][idx], batch["value"][idx]
+            if args.clip_vloss:
+                v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
+                v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((value - ret) ** 2).mean()
+            entropy = pi.entropy().mean()
+            loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            comm += dist.all_reduce_grads(agent)
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+
+            with torch.no_grad():  # KL estimators from http://joschu.net/blog/kl-approx.html
+                approx_kl = ((ratio - 1) - logratio).mean()
+                kls.append(approx_kl)
+                for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss),
+                             ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
+                             ("approx_kl", approx_kl),
+                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
+                    sums[k] += v  # device tensors: no host sync per minibatch
+            updates += 1
+        if args.target_kl is not None:  # ranks must agree, or they would step different counts
+            if dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item() > args.target_kl:
+                break
+    return {k: float(v) / updates for k, v in sums.items()}, comm
+
+
+def main() -> None:
+    args = checkpoint.parse_args(Args)
+    batch_per_rank = args.num_envs * args.num_steps
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.checkpoint_interval < 0:
+        dist.fail(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
+    if batch_per_rank % args.num_minibatches:
+        dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
+                  f"by --num-minibatches {args.num_minibatches}")
+    if args.alternate and args.num_envs % 2:
+        dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
+                  f"got {args.num_envs}")
+
+    # ---- set-up: process group, environments, run directory, model, optimizer, resume ----
+    world = dist.setup(args.cuda)
+    device = world.device
+    try:
+        env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
+                                    episodic_life=args.episodic_life,
+                                    sticky_actions=args.sticky_actions)
+    except envs.EnvError as e:
+        dist.fail(str(e))
+    run_dir, state = checkpoint.prepare_run(args, "ppo_multigpu", world)
+
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    agent = Agent(env_groups[0].num_actions).to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    global_step, iteration = 0, 0
+    torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
+    np.random.seed(args.seed * 1000 + world.rank)
+    if state is not None:
+        try:
+            agent.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
+        global_step, iteration = state["global_step"], state["iteration"]
+        checkpoint.restore_rng(state, world)
+    dist.broadcast_params(agent)
+
+    global_batch = batch_per_rank * world.world_size
+    num_iterations = math.ceil(args.total_timesteps / global_batch)  # the annealing horizon
+    sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
+                      clip_rewards=args.clip_rewards)
+    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=iteration))
+    logger = Logger(run_dir, world, args, start_step=global_step)
+    stop = checkpoint.StopRequest()
+
+    def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n], {logprob, value}
+        logits, value = agent(obs)
+        pi = Categorical(logits=logits)
+        action = pi.sample()
+        return action, {"logprob": pi.log_prob(action), "value": value}
+
+    def save():
+        return checkpoint.save(run_dir, {"model": agent.state_dict(),
+                                         "optimizer": optimizer.state_dict(),
+                                         "iteration": iteration, "env_id": args.env_id},
+                               global_step, world)
+
+    saved_at = global_step
+    while global_step < args.total_timesteps:
+        iteration += 1
+        lr = args.learning_rate * (max(0.0, 1.0 - (iteration - 1) / num_iterations)
+                                   if args.anneal_lr else 1.0)
+        optimizer.param_groups[0]["lr"] = lr
+
+        # ---- sampling: T steps of B envs, one batched forward pass per step ----
+        env_t0, inf_t0 = sampler.time_env, sampler.time_inference
+        rollout = sampler.collect(policy, value_fn=lambda o: agent(o)[1])
+        global_step += global_batch
+
+        # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----
+        learn_t0 = time.perf_counter()
+        with torch.no_grad():
+            next_value = agent(sampler.next_obs)[1]
+            advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
+                             rollout["truncated"], rollout["final_values"], next_value,
+                             args.gamma, args.gae_lambda)
+        batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
+                 "actions": rollout["actions"].flatten(), "logprob": rollout["logprob"].flatten(),
+                 "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
+                 "returns": (advantages + rollout["value"]).flatten()}
+        stats, comm = ppo_update(agent, optimizer, batch, args)
+        learn = time.perf_counter() - learn_t0 - comm
+
+        # ---- logging and checkpoints ----
+        y, y_pred = batch["returns"], batch["value"]
+        explained_var = 1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)
+        logger.log(global_step,
+                   {**{f"losses/{k}": v for k, v in stats.items()},
+                    "losses/explained_variance": explained_var.item(),
+                    "charts/learning_rate": lr},
+                   sampler.pop_episodes(),
+                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
+                    "learn": learn, "comm": comm})
+        interval = args.checkpoint_interval
+        if interval and global_step // interval > (global_step - global_batch) // interval:
+            save()
+            saved_at = global_step
+        if stop(device):
+            if world.is_main:
+                print(f"\nstopped by signal at step {global_step:,}; continue with "
+                      f"--resume {run_dir}", flush=True)
+            break
+
+    if saved_at != global_step:
+        path = save()
+        if world.is_main:
+            print(f"\ncheckpoint: {path}", flush=True)
+    logger.summary(global_step)
+    logger.close()
+    for e in env_groups:
+        e.close()
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Distributed set-up: one process per GPU, launched by torchrun (or plain python: a world of one).
+
+Gradient averaging is one flat all-reduce per update, as in the paper (Sec. 3.2: gradients are
+summed over GPUs with NCCL and divided by their number, and every GPU applies the same step).
+We do this by hand instead of wrapping the model in DistributedDataParallel because:
+- the communication phase must be timed on its own (DDP hides it inside backward);
+- the network is small (the Nature CNN: 1.7M parameters, one 6.7 MB bucket), so DDP's overlap of
+  backward and communication buys little, while one flat buffer costs a single collective;
+- the same two calls serve every script (policy gradient and Q-learning) with no wrapper around
+  the model, so sampling-time inference and target networks use the plain module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class World:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cuda: bool) -> World:
+    """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE, pick the device and join the group.
+
+    Nothing assumes one machine: torchrun's rendezvous supplies MASTER_ADDR and MASTER_PORT.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    use_cuda = cuda and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)  # before NCCL init, so each rank owns its own GPU
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if "RANK" in os.environ and not dist.is_initialized():
+        kwargs = {"device_id": device} if use_cuda else {}
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                                **kwargs)
+    return World(rank, local_rank, world_size, device)
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail(message: str, code: int = 2) -> None:
+    """End a user-caused error on every rank: one line from rank 0, a non-zero exit, no hang."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    cleanup()
+    sys.exit(code)
+
+
+def agree(error: str | None) -> str | None:
+    """Share rank 0's verdict (an error message or None) so all ranks stop or go on together."""
+    if not active():
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_object(obj, world: World):
+    """Rank 0's object on every rank (checkpoints: other nodes may not see rank 0's disk)."""
+    if not active():
+        return obj
+    box = [obj if world.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=world.device)
+    return box[0]
+
+
+def broadcast_params(model: torch.nn.Module) -> None:
+    """Start every rank from rank 0's parameters."""
+    if active():
+        for p in model.state_dict().values():
+            dist.broadcast(p, src=0)
+
+
+def all_reduce_grads(model: torch.nn.Module) -> float:
+    """Average gradients over ranks in one flat buffer; returns the seconds spent communicating."""
+    if not active():
+        return 0.0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    t0 = time.perf_counter()
+    dist.all_reduce(flat)
+    if flat.is_cuda:
+        torch.cuda.synchronize(flat.device)  # so the time measured is the collective's
+    seconds = time.perf_counter() - t0
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return seconds
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise mean of a small tensor over ranks (statistics, stop flags)."""
+    if active():
+        values = values.clone()
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    return values
+
+
+def all_gather(obj) -> list:
+    """Every rank's object, in rank order (episode statistics for logging)."""
+    if not active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

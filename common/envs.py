@@ -1,0 +1,167 @@
+"""Vectorized environments: ALE games through ale-py's C++ AtariVectorEnv, anything else through
+`gymnasium.make_vec`, both behind one small send/recv interface with true episode statistics.
+
+Conventions every script relies on:
+- Observations are uint8 `[n, 4, 84, 84]` (4 stacked 84x84 grayscale frames), actions are discrete.
+- Autoreset is `SameStep`: when an episode ends, `recv` returns the first observation of the next
+  episode, so every transition in a rollout is real and no action is ever ignored. The last
+  observation of a truncated episode is handed back separately, for bootstrapping.
+- Rewards are returned raw (unclipped). Learners clip them; the statistics never do.
+- With episodic lives on, `terminated` is raised on every life loss (the learner's episode ends,
+  the game goes on). A *game* ends on game over or truncation, and that is what episode
+  statistics count: the true score over all lives and the true length, in agent steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import gymnasium as gym
+import numpy as np
+
+OBS_SHAPE = (4, 84, 84)
+
+
+class EnvError(ValueError):
+    """A user-facing problem with the environment id or its spaces."""
+
+
+def ale_game(env_id: str) -> str | None:
+    """The ALE ROM name for an Atari id as Gymnasium spells it, or None for a non-Atari id.
+
+    `Pong-v5`, `ALE/Pong-v5`, `PongNoFrameskip-v4` and `Pong-v4` all give `pong`. We only use
+    the game name: frame skip, sticky actions and the like come from our own flags, never from
+    the id's suffix (so `PongNoFrameskip-v4` does not mean "no frame skip" here).
+    """
+    import ale_py
+
+    gym.register_envs(ale_py)
+    if ":" in env_id:  # "module:Name-v0" is always a user-registered Gymnasium env
+        return None
+    if env_id in gym.registry:
+        spec = gym.registry[env_id]
+        return spec.kwargs.get("game") if spec.entry_point == "ale_py.env:AtariEnv" else None
+    m = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9]+?)(?:NoFrameskip|Deterministic)?-v\d+", env_id)
+    if m is None:
+        raise EnvError(f"unknown environment id {env_id!r}: expected an Atari game such as Pong-v5, "
+                       "a registered Gymnasium id, or 'module:Name-v0'")
+    spec = gym.registry.get(f"ALE/{m.group(1)}-v5")
+    if spec is None:
+        raise EnvError(f"unknown Atari game {env_id!r}; list the valid names with: python -c "
+                       "\"import ale_py.roms; print(ale_py.roms.get_all_rom_ids())\" "
+                       "(ids are CamelCase, e.g. ms_pacman is MsPacman-v5)")
+    return spec.kwargs["game"]
+
+
+def env_seeds(seed: int, rank: int, num_envs: int, offset: int = 0) -> np.ndarray:
+    """Distinct, repeatable seeds for each environment of each rank, derived from `--seed`.
+
+    `offset` gives fresh seeds after a resume (pass the iteration), so a resumed run does not
+    replay the episodes it already saw, and is still repeatable.
+    """
+    ss = np.random.SeedSequence([seed, rank, offset])
+    return ss.generate_state(num_envs, dtype=np.uint32).astype(np.int64) % (2**31 - 1)
+
+
+class Envs:
+    """`num_envs` environments stepped together: `reset()`, then `send(actions)` / `recv()`.
+
+    `send` returns at once for ALE (its C++ threads simulate in the background); that is what lets
+    the alternating sampler run inference on one group while another group simulates.
+    Finished games are collected in `self.episodes` as `(true_return, length)`.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, *, episodic_life: bool = True,
+                 sticky_actions: bool = False, num_threads: int = 0):
+        self.num_envs = num_envs
+        self.game = ale_game(env_id)
+        if self.game is not None:
+            from ale_py.vector_env import AtariVectorEnv
+
+            # ale-py's own `episodic_life=True` restarts the whole game at every life loss (the
+            # agent would never play its later lives, and the game score would be lost), so we
+            # ask for the life-loss signal instead and let the game run on (paper: episodic lives).
+            self.venv = AtariVectorEnv(
+                self.game, num_envs, num_threads=num_threads, noop_max=30, use_fire_reset=True,
+                episodic_life=False, life_loss_info=episodic_life, reward_clipping=False,
+                repeat_action_probability=0.25 if sticky_actions else 0.0,
+                autoreset_mode="SameStep")
+        else:
+            from gymnasium.vector import AutoresetMode
+
+            try:
+                self.venv = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
+                                         vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+            except gym.error.Error as e:
+                raise EnvError(f"cannot make environment {env_id!r}: {e}") from None
+            obs_space, act_space = self.venv.single_observation_space, self.venv.single_action_space
+            if not (isinstance(obs_space, gym.spaces.Box) and obs_space.shape == OBS_SHAPE
+                    and obs_space.dtype == np.uint8):
+                raise EnvError(f"{env_id!r} must have uint8 {OBS_SHAPE} observations, "
+                               f"it has {obs_space}")
+            if not isinstance(act_space, gym.spaces.Discrete):
+                raise EnvError(f"{env_id!r} must have a discrete action space, it has {act_space}")
+        self.num_actions = int(self.venv.single_action_space.n)
+        self.episodes: list[tuple[float, int]] = []
+        self._return = np.zeros(num_envs, np.float64)
+        self._length = np.zeros(num_envs, np.int64)
+        self._lives = np.zeros(num_envs, np.int64)
+
+    def reset(self, seeds: np.ndarray) -> np.ndarray:
+        """Reset environment i with seeds[i]; returns obs uint8 [n, 4, 84, 84]."""
+        obs, info = self.venv.reset(seed=[int(s) for s in seeds] if self.game is None else seeds)
+        self._return[:] = 0
+        self._length[:] = 0
+        self._lives[:] = info.get("lives", 0)
+        return obs
+
+    def send(self, actions: np.ndarray) -> None:
+        if self.game is not None:
+            self.venv.send(actions)
+        else:  # Gymnasium's sync vector env has no asynchronous half: step at recv time
+            self._actions = actions
+
+    def recv(self):
+        """Returns obs, raw reward, terminated, truncated, final_obs.
+
+        final_obs: uint8 [k, 4, 84, 84], the last observation of each truncated env in index
+        order (k = truncated.sum()); the value there bootstraps the truncated return.
+        """
+        if self.game is not None:
+            obs, reward, terminated, truncated, info = self.venv.recv()
+            lives = info["lives"].astype(np.int64)
+            # A life loss leaves the game running with one life fewer; a game over resets it to a
+            # full set of lives (or 0 == 0 for games without lives). See the module docstring.
+            game_over = truncated | (terminated & (lives >= self._lives))
+            self._lives = lives
+            final_obs = info["final_obs"][truncated] if truncated.any() else None
+        else:
+            obs, reward, terminated, truncated, info = self.venv.step(self._actions)
+            game_over = terminated | truncated
+            final_obs = np.stack(info["final_obs"][truncated]) if truncated.any() else None
+        self._return += reward
+        self._length += 1
+        for i in np.flatnonzero(game_over):
+            self.episodes.append((float(self._return[i]), int(self._length[i])))
+        self._return[game_over] = 0
+        self._length[game_over] = 0
+        return obs, reward.astype(np.float32), terminated, truncated, final_obs
+
+    def close(self) -> None:
+        self.venv.close()
+
+
+def make_envs(env_id: str, num_envs: int, *, groups: int = 1, episodic_life: bool = True,
+              sticky_actions: bool = False, num_threads: int = 0) -> list[Envs]:
+    """A rank's `num_envs` environments, split into `groups` equal groups (2 for the alternating
+    sampler). Seeds are given at reset (`Sampler.reset`), per environment index, so grouped and
+    ungrouped runs see the same episodes."""
+    n = num_envs // groups
+    if num_threads == 0:
+        # Paper's CPU budget: the machine's cores are shared by the ranks on it. Groups alternate,
+        # so each may use all of its rank's cores.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        num_threads = max(1, min(n, (os.cpu_count() or 1) // local_ranks))
+    return [Envs(env_id, n, episodic_life=episodic_life,
+                 sticky_actions=sticky_actions, num_threads=num_threads) for g in range(groups)]

@@ -1,0 +1,94 @@
+"""Rank-0 logging: TensorBoard (CleanRL-compatible tags), a live progress line, summary.json.
+
+Episode statistics are gathered from every rank at each log call, so `charts/episodic_return`
+and `mean_return_last100` cover all environments of the run, not only rank 0's.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from common import dist
+
+PHASES = ("env", "inference", "learn", "comm")
+
+
+class Logger:
+    def __init__(self, run_dir: Path, world: dist.World, args, start_step: int = 0):
+        self.world, self.args, self.run_dir = world, args, run_dir
+        self.start_step, self.start_time = start_step, time.time()
+        self.last_step, self.last_time = start_step, self.start_time
+        self.returns = collections.deque(maxlen=100)
+        self.episodes = 0
+        self.phase_total = dict.fromkeys(PHASES, 0.0)
+        self.tty = sys.stdout.isatty()
+        self.writer = None
+        if world.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir))
+            if start_step == 0:
+                table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+                self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    def log(self, global_step: int, scalars: dict[str, float], episodes: list[tuple[float, int]],
+            phases: dict[str, float]) -> None:
+        """Called by every rank together. `phases`: seconds per phase since the last call."""
+        all_episodes = [ep for eps in dist.all_gather(episodes) for ep in eps]
+        if not self.world.is_main:
+            return
+        w, now = self.writer, time.time()
+        for ret, length in all_episodes:
+            w.add_scalar("charts/episodic_return", ret, global_step)
+            w.add_scalar("charts/episodic_length", length, global_step)
+            self.returns.append(ret)
+        self.episodes += len(all_episodes)
+        sps = (global_step - self.last_step) / max(now - self.last_time, 1e-9)
+        w.add_scalar("charts/SPS", sps, global_step)
+        for k, v in scalars.items():
+            w.add_scalar(k, v, global_step)
+        for k, v in phases.items():
+            w.add_scalar(f"time/{k}", v, global_step)
+            self.phase_total[k] += v
+        self.last_step, self.last_time = global_step, now
+        self._progress(global_step, sps)
+
+    def _progress(self, step: int, sps: float) -> None:
+        total = self.args.total_timesteps
+        recent = f"{sum(self.returns) / len(self.returns):8.2f}" if self.returns else "     n/a"
+        left = (total - step) / sps if sps > 0 else 0
+        line = (f"step {step:>11,}/{total:,} ({100 * step / total:5.1f}%) | SPS {sps:8,.0f} | "
+                f"return(last 100) {recent} | episodes {self.episodes:,} | "
+                f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def summary(self, global_step: int, **extra) -> dict:
+        """Write summary.json (rank 0). SPS counts this process's steps only (not a resumed past)."""
+        if not self.world.is_main:
+            return {}
+        wall = time.time() - self.start_time
+        out = {
+            "global_step": global_step,
+            "wall_seconds": wall,
+            "sps": (global_step - self.start_step) / max(wall, 1e-9),
+            "episodes": self.episodes,
+            "mean_return_last100": (sum(self.returns) / len(self.returns)) if self.returns else None,
+            "world_size": self.world.world_size,
+            "device": str(self.world.device),
+            "phase_seconds": self.phase_total,
+            **extra,
+            "args": asdict(self.args),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2, default=str))
+        return out
+
+    def close(self) -> None:
+        if self.writer is not None:
+            if self.tty:
+                print()
+            self.writer.close()

@@ -1,0 +1,121 @@
+"""Batched-inference rollout collection (paper Sec. 3.1), plain or alternating.
+
+Every environment step, the observations of all a rank's environments go through the network as
+one batch on the rank's device, and the results land in preallocated `[T, B]` device tensors.
+
+Plain sampler (one group):        infer(all B) -> send -> wait -> infer(all B) -> ...
+Alternating sampler (two groups, `--alternate`):
+    group A simulates step t while the network computes group B's actions for step t, and the
+    other way round, so simulation and inference overlap (up to 2x when they cost the same).
+
+What alternating changes: each forward pass sees B/2 observations instead of B, and the random
+numbers for action sampling are drawn in a different order. What it does not change: the batch
+layout (column b is always environment b), the environments' seeds, and therefore, for a fixed
+deterministic policy, the trajectories (tests/test_sampler.py checks this bit for bit). No action
+is computed ahead with stale parameters: the last step of a rollout sends nothing, so the next
+rollout starts with the updated network. That costs one non-overlapped step per rollout.
+
+Step t of a rollout holds obs[t], the action taken there, the reward that followed and whether
+the (learner's) episode ended there. With SameStep autoreset, obs[t + 1] is then the first
+observation of the next episode; `final_values[t]` is the value of the true last observation of
+a truncated episode (0 elsewhere), so returns can bootstrap across a time limit correctly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from common.envs import Envs
+
+# policy(obs uint8 [n, 4, 84, 84]) -> (actions long [n], extras {name: float tensor [n]})
+Policy = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Sampler:
+    def __init__(self, envs: list[Envs], num_steps: int, device: torch.device,
+                 extras: tuple[str, ...] = (), clip_rewards: bool = True):
+        assert len(envs) in (1, 2), "one group (plain) or two (alternating)"
+        self.envs, self.T, self.device, self.clip_rewards = envs, num_steps, device, clip_rewards
+        self.n = envs[0].num_envs
+        self.B = self.n * len(envs)
+        T, B = num_steps, self.B
+        self.buf = {
+            "obs": torch.zeros((T, B, 4, 84, 84), dtype=torch.uint8, device=device),
+            "actions": torch.zeros((T, B), dtype=torch.long, device=device),
+            "rewards": torch.zeros((T, B), device=device),
+            "terminated": torch.zeros((T, B), dtype=torch.bool, device=device),
+            "truncated": torch.zeros((T, B), dtype=torch.bool, device=device),
+            "final_values": torch.zeros((T, B), device=device),
+            **{k: torch.zeros((T, B), device=device) for k in extras},
+        }
+        self.next_obs = torch.zeros((B, 4, 84, 84), dtype=torch.uint8, device=device)
+        self.time_env = self.time_inference = 0.0
+        self.steps = 0  # environment steps this rank has taken
+
+    def reset(self, seeds: np.ndarray) -> None:
+        """Reset all environments, environment b with seeds[b] (see envs.env_seeds)."""
+        for g, e in enumerate(self.envs):
+            cols = self._cols(g)
+            self.next_obs[cols] = torch.from_numpy(e.reset(seeds[cols])).to(self.device)
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """Finished games since the last call: (true return, length in agent steps)."""
+        out = [ep for e in self.envs for ep in e.episodes]
+        for e in self.envs:
+            e.episodes.clear()
+        return out
+
+    def _cols(self, g: int) -> slice:
+        return slice(g * self.n, (g + 1) * self.n)
+
+    @torch.no_grad()
+    def _act(self, policy: Policy, t: int, g: int) -> None:
+        """Infer group g's actions for step t from next_obs and hand them to its simulators."""
+        t0 = time.perf_counter()
+        cols, b = self._cols(g), self.buf
+        obs = self.next_obs[cols]
+        b["obs"][t, cols] = obs
+        actions, extras = policy(obs)
+        b["actions"][t, cols] = actions
+        for k, v in extras.items():
+            b[k][t, cols] = v
+        actions = actions.cpu().numpy()  # waits for the device: inference time is complete here
+        self.time_inference += time.perf_counter() - t0
+        self.envs[g].send(actions)
+
+    @torch.no_grad()
+    def _store(self, t: int, g: int, value_fn: Callable | None) -> None:
+        """Wait for group g's step t and record its outcome."""
+        t0 = time.perf_counter()
+        obs, reward, terminated, truncated, final_obs = self.envs[g].recv()
+        self.time_env += time.perf_counter() - t0
+        cols, b = self._cols(g), self.buf
+        reward = np.sign(reward) if self.clip_rewards else reward  # clip for learning only
+        b["rewards"][t, cols] = torch.from_numpy(reward).to(self.device)
+        b["terminated"][t, cols] = torch.from_numpy(terminated).to(self.device)
+        b["truncated"][t, cols] = torch.from_numpy(truncated).to(self.device)
+        b["final_values"][t, cols] = 0.0
+        if final_obs is not None and value_fn is not None:  # rare: a time limit was hit
+            idx = torch.from_numpy(np.flatnonzero(truncated)).to(self.device) + cols.start
+            b["final_values"][t, idx] = value_fn(torch.from_numpy(final_obs).to(self.device)).float()
+        self.next_obs[cols] = torch.from_numpy(obs).to(self.device)
+
+    def collect(self, policy: Policy, value_fn: Callable | None = None) -> dict[str, torch.Tensor]:
+        """Run T steps of every environment; returns the rollout buffers (reused next call).
+
+        value_fn(obs) -> [k] values, used only to bootstrap truncated episodes.
+        """
+        G = len(self.envs)
+        for g in range(G):  # with two groups, group 1's inference overlaps group 0's simulation
+            self._act(policy, 0, g)
+        for t in range(self.T):
+            for g in range(G):
+                self._store(t, g, value_fn)
+                if t + 1 < self.T:
+                    self._act(policy, t + 1, g)
+        self.steps += self.T * self.B
+        return self.buf

@@ -1,0 +1,206 @@
+"""ppo_multigpu.py: distributed equivalence, end to end with resume, signals, learning, bad input."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import ROOT, load_algo, read_summary, run_script
+
+
+def _batch(n, num_actions, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+            "actions": torch.randint(0, num_actions, (n,), generator=g),
+            "logprob": -torch.rand(n, generator=g) * 2,
+            "value": torch.randn(n, generator=g),
+            "advantages": torch.randn(n, generator=g) * 3 + 1,
+            "returns": torch.randn(n, generator=g)}
+
+
+def _update(batch, out_path=None):
+    """One PPO update (2 epochs, 1 minibatch) from fixed initial parameters; returns them."""
+    from common import dist
+    ppo = load_algo("ppo_multigpu")
+    world = dist.setup(cuda=False)
+    args = ppo.Args(update_epochs=2, num_minibatches=1)
+    torch.manual_seed(123)
+    agent = ppo.Agent(6)
+    dist.broadcast_params(agent)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
+    ppo.ppo_update(agent, opt, batch, args)
+    params = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+    if out_path:
+        torch.save(params, f"{out_path}.{world.rank}")
+    dist.cleanup()
+    return params
+
+
+def _rank(rank, port, batch, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    half = {k: v.chunk(2)[rank] for k, v in batch.items()}
+    _update(half, out_path)
+
+
+def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
+    batch = _batch(64, 6)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(port, batch, str(tmp_path / "p")), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
+    single = _update(batch)
+    assert torch.equal(r0, r1)  # every rank took the same step
+    torch.manual_seed(123)
+    init = torch.nn.utils.parameters_to_vector(load_algo("ppo_multigpu").Agent(6).parameters())
+    assert (single - init).abs().max() > 1e-4  # the update did move the parameters
+    torch.testing.assert_close(r0, single, rtol=1e-5, atol=1e-6)
+
+
+def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
+    run = tmp_path / "run"
+    common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
+              "--num-minibatches", "2", "--update-epochs", "1", "--run-dir", str(run)]
+    run_script("ppo_multigpu", *common, "--total-timesteps", "256", nproc=2)
+    s = read_summary(run)
+    assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
+    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm"}
+    assert s["phase_seconds"]["comm"] > 0
+    assert list(run.glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "step_256.pt").is_file()
+    ckpt = torch.load(run / "checkpoints" / "step_256.pt", weights_only=True)
+    assert ckpt["iteration"] == 2 and len(ckpt["rng"]) == 2
+
+    # resume continues the same run up to a larger total, instead of starting over
+    run_script("ppo_multigpu", "--resume", str(run), "--total-timesteps", "512", nproc=2)
+    s = read_summary(run)
+    assert s["global_step"] == 512 and s["args"]["num_envs"] == 2  # flags came from the run
+    ckpt = torch.load(run / "checkpoints" / "step_512.pt", weights_only=True)
+    assert ckpt["iteration"] == 4
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set()
+    for f in run.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    for tag in ("charts/SPS", "losses/policy_loss", "losses/value_loss", "losses/entropy",
+                "losses/approx_kl", "losses/clipfrac", "time/env", "time/inference",
+                "time/learn", "time/comm"):
+        assert tag in tags
+
+
+def _start(run, nproc):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
+    proc = subprocess.Popen(
+        launcher + [str(ROOT / "algos" / "ppo_multigpu.py"), "--no-cuda", "--env-id", "Pong-v5",
+                    "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1",
+                    "--update-epochs", "1", "--total-timesteps", "10000000", "--run-dir", str(run)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:  # wait until training is under way
+        seen.append(line)
+        if line.startswith("step"):
+            break
+    time.sleep(1.0)
+    return proc, "".join(seen)
+
+
+def _check_stopped(run, out):
+    assert "stopped by signal" in out, out
+    ckpts = list((run / "checkpoints").glob("step_*.pt"))
+    assert len(ckpts) == 1 and not list((run / "checkpoints").glob("*.tmp"))
+    step = int(ckpts[0].stem.split("_")[1])
+    assert read_summary(run)["global_step"] == step > 0
+
+
+def test_sigint_checkpoints_and_exits_cleanly(tmp_path):
+    proc, head = _start(tmp_path / "run", 1)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    out = head + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    _check_stopped(tmp_path / "run", out)
+
+
+def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
+    """torchrun forwards SIGTERM to its workers, waits for them, then re-raises the signal
+    itself (its own exit code is 1): what we own is that every rank checkpoints and exits 0."""
+    proc, head = _start(tmp_path / "run", 2)
+    proc.send_signal(signal.SIGTERM)
+    out = head + proc.communicate(timeout=120)[0]
+    assert "ChildFailedError" not in out and "exitcode" not in out, out  # no rank failed
+    _check_stopped(tmp_path / "run", out)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from common import checkpoint, dist
+    world = dist.World(0, 0, 1, torch.device("cpu"))
+    (tmp_path / "checkpoints").mkdir()
+    good = checkpoint.save(tmp_path, {"x": torch.ones(3)}, 10, world)
+
+    def crash(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"x": torch.zeros(3)}, 20, world)
+    assert checkpoint.find_checkpoint(str(tmp_path)) == good  # the newest complete one
+    assert torch.equal(checkpoint.load(good)["x"], torch.ones(3))
+
+
+def test_ppo_learns_catch(tmp_path):
+    """A random policy scores about -0.7 on Catch; a correct PPO catches nearly every ball."""
+    run = tmp_path / "run"
+    run_script("ppo_multigpu", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
+               "--total-timesteps", "16384", "--num-steps", "32", "--learning-rate", "1e-3",
+               "--run-dir", str(run), timeout=400)
+    s = read_summary(run)
+    assert s["episodes"] > 2000
+    assert s["mean_return_last100"] > 0.8
+
+
+def _bad(tmp_path, *args):
+    proc = run_script("ppo_multigpu", *args, check=False, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    return lines[-1] if lines else ""
+
+
+def test_bad_inputs_give_one_clear_line(tmp_path):
+    run = str(tmp_path / "new")
+    assert "not divisible by --num-minibatches 4" in _bad(
+        tmp_path, "--num-envs", "3", "--num-steps", "5", "--run-dir", run)
+    assert "--num-envs must be positive" in _bad(tmp_path, "--num-envs", "0", "--run-dir", run)
+    assert "--total-timesteps must be positive" in _bad(
+        tmp_path, "--total-timesteps", "-5", "--run-dir", run)
+    assert "unknown Atari game 'Foo-v5'" in _bad(tmp_path, "--env-id", "Foo-v5", "--run-dir", run)
+    assert "must have uint8 (4, 84, 84) observations" in _bad(
+        tmp_path, "--env-id", "CartPole-v1", "--run-dir", run)
+    assert "--num-envs must be even" in _bad(tmp_path, "--alternate", "--num-envs", "3",
+                                             "--num-minibatches", "1", "--run-dir", run)
+    assert not (tmp_path / "new").exists()  # no run directory is made for a failed start
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("keep")
+    assert "exists; pass --resume" in _bad(tmp_path, "--run-dir", str(existing))
+    assert sorted(p.name for p in existing.iterdir()) == ["mine.txt"]  # untouched
+
+    assert "checkpoint not found" in _bad(tmp_path, "--resume", str(tmp_path / "nope.pt"))
+    assert "no checkpoint" in _bad(tmp_path, "--resume", str(existing))
+    corrupt = tmp_path / "corrupt"
+    (corrupt / "checkpoints").mkdir(parents=True)
+    (corrupt / "checkpoints" / "step_100.pt").write_bytes(b"\x00garbage" * 100)
+    assert "cannot read checkpoint" in _bad(tmp_path, "--resume", str(corrupt))
