@@ -60,7 +60,7 @@ class Sampler:
         """Reset all environments, environment b with seeds[b] (see envs.env_seeds)."""
         for g, e in enumerate(self.envs):
             cols = self._cols(g)
-            self.next_obs[cols] = torch.from_numpy(e.reset(seeds[cols])).to(self.device)
+            self.next_obs[cols].copy_(torch.from_numpy(e.reset(seeds[cols])))
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """Finished games since the last call: (true return, length in agent steps)."""
@@ -74,12 +74,10 @@ class Sampler:
 
     @torch.no_grad()
     def _act(self, policy: Policy, t: int, g: int) -> None:
-        """Infer group g's actions for step t from next_obs and hand them to its simulators."""
+        """Infer group g's actions for step t from obs[t] and hand them to its simulators."""
         t0 = time.perf_counter()
         cols, b = self._cols(g), self.buf
-        obs = self.next_obs[cols]
-        b["obs"][t, cols] = obs
-        actions, extras = policy(obs)
+        actions, extras = policy(b["obs"][t, cols])
         b["actions"][t, cols] = actions
         for k, v in extras.items():
             b[k][t, cols] = v
@@ -89,20 +87,25 @@ class Sampler:
 
     @torch.no_grad()
     def _store(self, t: int, g: int, value_fn: Callable | None) -> None:
-        """Wait for group g's step t and record its outcome."""
+        """Wait for group g's step t and record its outcome; the new observation goes straight
+        into obs[t + 1] (or next_obs after the last step), one host-to-device copy."""
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, final_obs = self.envs[g].recv()
         self.time_env += time.perf_counter() - t0
         cols, b = self._cols(g), self.buf
-        reward = np.sign(reward) if self.clip_rewards else reward  # clip for learning only
-        b["rewards"][t, cols] = torch.from_numpy(reward).to(self.device)
-        b["terminated"][t, cols] = torch.from_numpy(terminated).to(self.device)
-        b["truncated"][t, cols] = torch.from_numpy(truncated).to(self.device)
+        if self.clip_rewards:
+            reward = np.sign(reward)  # clip for learning only; the statistics saw the raw reward
+        packed = torch.from_numpy(np.stack([reward, terminated, truncated]).astype(np.float32))
+        packed = packed.to(self.device)  # one small copy instead of three
+        b["rewards"][t, cols] = packed[0]
+        b["terminated"][t, cols] = packed[1].bool()
+        b["truncated"][t, cols] = packed[2].bool()
         b["final_values"][t, cols] = 0.0
         if final_obs is not None and value_fn is not None:  # rare: a time limit was hit
             idx = torch.from_numpy(np.flatnonzero(truncated)).to(self.device) + cols.start
             b["final_values"][t, idx] = value_fn(torch.from_numpy(final_obs).to(self.device)).float()
-        self.next_obs[cols] = torch.from_numpy(obs).to(self.device)
+        dest = b["obs"][t + 1] if t + 1 < self.T else self.next_obs
+        dest[cols].copy_(torch.from_numpy(obs))
 
     def collect(self, policy: Policy, value_fn: Callable | None = None) -> dict[str, torch.Tensor]:
         """Run T steps of every environment; returns the rollout buffers (reused next call).
@@ -110,6 +113,7 @@ class Sampler:
         value_fn(obs) -> [k] values, used only to bootstrap truncated episodes.
         """
         G = len(self.envs)
+        self.buf["obs"][0] = self.next_obs
         for g in range(G):  # with two groups, group 1's inference overlaps group 0's simulation
             self._act(policy, 0, g)
         for t in range(self.T):
