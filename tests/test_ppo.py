@@ -204,3 +204,16 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
     (corrupt / "checkpoints").mkdir(parents=True)
     (corrupt / "checkpoints" / "step_100.pt").write_bytes(b"\x00garbage" * 100)
     assert "cannot read checkpoint" in _bad(tmp_path, "--resume", str(corrupt))
+
+
+def test_same_seed_same_run(tmp_path):
+    """Fixed seeds give repeatable runs: parameters after training are bit-identical."""
+    params = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run_script("ppo_multigpu", "--env-id", "tests.catch_env:Catch-v0", "--seed", "7",
+                   "--num-envs", "4", "--num-steps", "16", "--total-timesteps", "128",
+                   "--run-dir", str(run))
+        params.append(torch.load(run / "checkpoints" / "step_128.pt", weights_only=True)["model"])
+    for k in params[0]:
+        assert torch.equal(params[0][k], params[1][k]), k
