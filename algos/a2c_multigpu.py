@@ -1,0 +1,348 @@
+"""A2C on Atari, synchronous and data-parallel over GPUs.
+
+Advantage actor-critic, the synchronous variant of A3C (Mnih et al. 2016, arXiv 1602.01783), as
+run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
+1803.02811): one process per GPU, each driving 16 emulators with batched inference (paper
+Sec. 3.1), and one optimizer step per 5-step rollout on gradients averaged over all GPUs
+(Sec. 3.2), so all ranks hold the same parameters. The global batch is ranks x envs x steps.
+Hyperparameters follow OpenAI baselines' `a2c` (RMSprop, lr 7e-4 decayed linearly, 5 steps).
+
+Learning rate and world size. With more ranks the global batch grows (16 x 5 = 80 samples per
+rank), and `--lr-scaling` chooses how the learning rate follows, relative to one rank:
+`none` keeps it, `linear` multiplies it by the number of ranks (Goyal et al. 2017, for SGD),
+`sqrt` by its square root (the rule usually given for adaptive optimizers such as RMSprop and
+Adam). Default `none`. We could not confirm from the paper's text which rule its A2C runs used.
+The authors' code (github.com/astooke/accel_rl) takes the learning rate as a plain argument and
+applies no rule, and its multi-GPU A2C example sweep keeps one rate (2.5e-4) for 64, 128 and 256
+environments per learner. So treat the rate as a hyperparameter to retune when scaling out.
+
+RMSprop as baselines runs it. TensorFlow's RMSprop (baselines) adds epsilon inside the square
+root, PyTorch's outside. That changes the step size: gradients clipped to norm 0.5 over 1.7M
+weights are a few 1e-4 per weight, so TensorFlow's sqrt(1e-5) = 3e-3 floor sets the step, where
+PyTorch's 1e-5 would let each weight move by about the learning rate. We pass sqrt(--rmsprop-eps)
+as PyTorch's epsilon, which keeps the denominator within a factor sqrt(2) of TensorFlow's.
+TensorFlow also starts the mean square at 1, not 0; we keep PyTorch's 0, because the 1 shrinks
+the steps of the first several hundred updates (it decays as 0.99^t), which in our short tests
+only delayed learning.
+(Stable-baselines3 documents PyTorch's plain RMSprop as less stable for A2C: RMSpropTFLike.)
+
+Launch:
+    python algos/a2c_multigpu.py --env-id Pong-v5                         # one process
+    torchrun --standalone --nproc_per_node 8 algos/a2c_multigpu.py        # 8 GPUs, one machine
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 algos/a2c_multigpu.py                  # 2 machines
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from common import checkpoint, dist, envs  # noqa: E402
+from common.logger import Logger  # noqa: E402
+from common.sampler import Sampler  # noqa: E402
+
+
+@dataclass
+class Args:
+    env_id: str = "Pong-v5"
+    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
+    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
+    seed: int = 1
+    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    total_timesteps: int = 10_000_000
+    """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
+    num_envs: int = 16
+    """environments per rank (paper: 16 per GPU for A2C)"""
+    cuda: bool = True
+    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    run_dir: str | None = None
+    """output directory; default runs/<env>__a2c_multigpu__<seed>__<unix time>"""
+    alternate: bool = False
+    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
+    checkpoint_interval: int = 0
+    """global steps between checkpoints; 0 means only at the end"""
+    resume: str | None = None
+    """checkpoint file or run directory to continue, up to the same --total-timesteps"""
+    episodic_life: bool = True
+    """end the learner's episode at each life loss, the game going on (paper: on)"""
+    sticky_actions: bool = False
+    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
+    clip_rewards: bool = True
+    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+
+    num_steps: int = 5
+    """steps per environment per rollout (A3C paper's t_max, baselines' a2c, the paper's code)"""
+    learning_rate: float = 7e-4
+    """learning rate for one rank (baselines' a2c, the paper's code); see --lr-scaling"""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """multiply --learning-rate by 1, the number of ranks, or its square root (module docstring)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over --total-timesteps (baselines' a2c 'linear')"""
+    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
+    """RMSprop as in the A3C paper and baselines' a2c; Adam (eps 1e-5) as rlpyt's A2C default"""
+    rmsprop_alpha: float = 0.99
+    """RMSprop decay of the mean squared gradient (A3C paper, baselines' a2c)"""
+    rmsprop_eps: float = 1e-5
+    """RMSprop epsilon, inside the square root as in TensorFlow (baselines' a2c)"""
+    gamma: float = 0.99
+    """discount factor (A3C paper)"""
+    gae_lambda: float = 1.0
+    """1.0: n-step returns (A3C paper, baselines, the paper's code); below 1: GAE, this lambda"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (A3C paper, baselines' a2c)"""
+    vf_coef: float = 0.5
+    """coefficient on 0.5 (V - R)^2, i.e. 0.25 (V - R)^2 as in the paper's code (baselines: 0.5)"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clip, applied after averaging over ranks (baselines, paper's code)"""
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
+    nn.init.orthogonal_(layer.weight, std)  # orthogonal init as in baselines' Atari policies
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class Agent(nn.Module):
+    """Nature-DQN torso (Mnih et al. 2015) with a policy head and a value head."""
+
+    def __init__(self, num_actions: int):
+        super().__init__()
+        self.torso = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
+        self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N]."""
+        h = self.torso(obs.float() / 255.0)
+        return self.actor(h), self.critic(h).squeeze(-1)
+
+
+def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamma):
+    """n-step returns over a [T, B] rollout (A3C paper, Algorithm S3): for each step, the
+    discounted rewards up to the end of the rollout plus the discounted value of the state there.
+
+    At a termination the next state's value is 0. At a truncation it is the value of the true
+    last observation (final_values), since the episode would have gone on. Either way the sum
+    does not cross into the next episode. next_value [B] bootstraps the last step.
+    """
+    returns = torch.empty_like(rewards)  # [T, B]
+    running = next_value  # [B]: the return from the state after step t
+    for t in reversed(range(rewards.shape[0])):
+        running = torch.where(truncated[t], final_values[t], running)
+        running = torch.where(terminated[t], torch.zeros_like(running), running)
+        running = rewards[t] + gamma * running
+        returns[t] = running
+    return returns
+
+
+def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout,
+    with the same episode-boundary rules as nstep_returns (lam = 1 gives its returns - values).
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        v_next = next_value if t == T - 1 else values[t + 1]
+        v_next = torch.where(truncated[t], final_values[t], v_next)
+        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
+        delta = rewards[t] + gamma * v_next - values[t]
+        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
+        advantages[t] = running
+    return advantages
+
+
+def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
+    if args.optimizer == "adam":
+        return torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
+    # TensorFlow-like RMSprop (module docstring): sqrt(eps) outside the root stands in for eps
+    # inside it, as in baselines' TF1 optimizer.
+    return torch.optim.RMSprop(agent.parameters(), lr=lr, alpha=args.rmsprop_alpha,
+                               eps=math.sqrt(args.rmsprop_eps))
+
+
+def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str, torch.Tensor],
+               next_obs: torch.Tensor, args: Args) -> tuple[dict[str, torch.Tensor], float]:
+    """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
+
+    The gradient is averaged over ranks before clipping and the optimizer step, so with R ranks
+    the step sees R x T x B samples and every rank stays identical. Nothing here waits for the
+    device (no .item()): the stats stay tensors until the logging cadence reads them.
+    """
+    T, B = rollout["rewards"].shape
+    # One forward pass gives the loss terms and the bootstrap value of next_obs [B]; the
+    # parameters are still those that sampled the rollout, so the values are on-policy.
+    obs = torch.cat([rollout["obs"].flatten(0, 1), next_obs])  # [(T + 1) * B, 4, 84, 84] uint8
+    logits, values = agent(obs)
+    logits, values, next_value = logits[:T * B], values[:T * B], values[T * B:].detach()
+    with torch.no_grad():
+        v = values.detach().view(T, B)  # [T, B]
+        if args.gae_lambda == 1.0:
+            returns = nstep_returns(rollout["rewards"], rollout["terminated"], rollout["truncated"],
+                                    rollout["final_values"], next_value, args.gamma)
+            advantages = returns - v
+        else:
+            advantages = gae(rollout["rewards"], v, rollout["terminated"], rollout["truncated"],
+                             rollout["final_values"], next_value, args.gamma, args.gae_lambda)
+            returns = advantages + v
+    returns, advantages = returns.flatten(), advantages.flatten()  # [T * B]
+
+    # A3C paper Sec. 4: the policy gradient weighted by the advantage (a constant here, so only
+    # the value loss trains the critic), a squared value error, and an entropy bonus that keeps
+    # the policy from collapsing early.
+    pi = Categorical(logits=logits)
+    pg_loss = -(advantages * pi.log_prob(rollout["actions"].flatten())).mean()
+    v_loss = 0.5 * ((values - returns) ** 2).mean()
+    entropy = pi.entropy().mean()
+    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    comm = dist.all_reduce_grads(agent)
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+
+    with torch.no_grad():
+        explained_var = 1 - torch.var(returns - values) / torch.var(returns).clamp(min=1e-8)
+    return {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+            "entropy": entropy.detach(), "explained_variance": explained_var,
+            "grad_norm": grad_norm}, comm
+
+
+def main() -> None:
+    args = checkpoint.parse_args(Args)
+    batch_per_rank = args.num_envs * args.num_steps
+    for name in ("total_timesteps", "num_envs", "num_steps", "learning_rate"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.checkpoint_interval < 0:
+        dist.fail(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
+    if not 0.0 <= args.gae_lambda <= 1.0:
+        dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+    if args.alternate and args.num_envs % 2:
+        dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
+                  f"got {args.num_envs}")
+
+    # ---- set-up: process group, environments, run directory, model, optimizer, resume ----
+    world = dist.setup(args.cuda)
+    device = world.device
+    try:
+        env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
+                                    episodic_life=args.episodic_life,
+                                    sticky_actions=args.sticky_actions)
+    except envs.EnvError as e:
+        dist.fail(str(e))
+    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world)
+
+    base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
+                                    "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    agent = Agent(env_groups[0].num_actions).to(device)
+    optimizer = make_optimizer(agent, args, base_lr)
+    global_step, iteration = 0, 0
+    torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
+    np.random.seed(args.seed * 1000 + world.rank)
+    if state is not None:
+        try:
+            agent.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:
+            dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
+        global_step, iteration = state["global_step"], state["iteration"]
+        checkpoint.restore_rng(state, world)
+    dist.broadcast_params(agent)
+
+    global_batch = batch_per_rank * world.world_size
+    num_iterations = math.ceil(args.total_timesteps / global_batch)  # the annealing horizon
+    # An iteration is only 80 steps per rank: logging (an all-gather and TensorBoard writes) and
+    # the stop check (an all-reduce) run every log_every iterations, about 2048 steps per rank.
+    # It depends on the iteration count alone, so all ranks reach these collectives together.
+    log_every = max(1, 2048 // batch_per_rank)
+    sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
+    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=iteration))
+    logger = Logger(run_dir, world, args, start_step=global_step)
+    stop = checkpoint.StopRequest()
+
+    def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
+        return Categorical(logits=agent(obs)[0]).sample(), {}
+
+    def save():
+        return checkpoint.save(run_dir, {"model": agent.state_dict(),
+                                         "optimizer": optimizer.state_dict(),
+                                         "iteration": iteration, "env_id": args.env_id},
+                               global_step, world)
+
+    saved_at = global_step
+    stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
+    env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
+    while global_step < args.total_timesteps:
+        iteration += 1
+        lr = base_lr * (max(0.0, 1.0 - (iteration - 1) / num_iterations)
+                        if args.anneal_lr else 1.0)
+        optimizer.param_groups[0]["lr"] = lr
+
+        # ---- sampling: T steps of B envs, one batched forward pass per step ----
+        rollout = sampler.collect(policy, value_fn=lambda o: agent(o)[1])
+        global_step += global_batch
+
+        # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
+        learn_t0 = time.perf_counter()
+        stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args)
+        # On one GPU this times the kernel launches; the rest shows up as inference, whose
+        # actions.cpu() is the first wait. With ranks, all_reduce_grads waits for the backward.
+        learn += time.perf_counter() - learn_t0 - seconds
+        comm += seconds
+        for k, v in stats.items():
+            stat_sums[k] = stat_sums.get(k, 0.0) + v
+        stat_count += 1
+
+        # ---- logging and checkpoints ----
+        interval = args.checkpoint_interval
+        if interval and global_step // interval > (global_step - global_batch) // interval:
+            save()
+            saved_at = global_step
+        if iteration % log_every and global_step < args.total_timesteps:
+            continue  # not a logging iteration: keep accumulating stats and phase times
+        means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one host sync
+        logger.log(global_step,
+                   {**{f"losses/{k}": m for k, m in zip(stat_sums, means)},
+                    "charts/learning_rate": lr},
+                   sampler.pop_episodes(),
+                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
+                    "learn": learn, "comm": comm})
+        stat_sums, stat_count = {}, 0
+        env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
+        if stop(device):
+            if world.is_main:
+                print(f"\nstopped by signal at step {global_step:,}; continue with "
+                      f"--resume {run_dir}", flush=True)
+            break
+
+    if saved_at != global_step:
+        path = save()
+        if world.is_main:
+            print(f"\ncheckpoint: {path}", flush=True)
+    logger.summary(global_step)
+    logger.close()
+    for e in env_groups:
+        e.close()
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
