@@ -46,12 +46,13 @@ class Sampler:
         self.buf = {
             "obs": torch.zeros((T, B, 4, 84, 84), dtype=torch.uint8, device=device),
             "actions": torch.zeros((T, B), dtype=torch.long, device=device),
-            "rewards": torch.zeros((T, B), device=device),
-            "terminated": torch.zeros((T, B), dtype=torch.bool, device=device),
-            "truncated": torch.zeros((T, B), dtype=torch.bool, device=device),
             "final_values": torch.zeros((T, B), device=device),
             **{k: torch.zeros((T, B), device=device) for k in extras},
         }
+        # Per-step outcomes are small: keep them in host arrays and move them to the device once
+        # per rollout, not once per step (on the CPU, the tensors share the arrays' memory).
+        self.host = {"rewards": np.zeros((T, B), np.float32),
+                     "terminated": np.zeros((T, B), bool), "truncated": np.zeros((T, B), bool)}
         self.next_obs = torch.zeros((B, 4, 84, 84), dtype=torch.uint8, device=device)
         self.time_env = self.time_inference = 0.0
         self.steps = 0  # environment steps this rank has taken
@@ -92,15 +93,11 @@ class Sampler:
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, final_obs = self.envs[g].recv()
         self.time_env += time.perf_counter() - t0
-        cols, b = self._cols(g), self.buf
-        if self.clip_rewards:
-            reward = np.sign(reward)  # clip for learning only; the statistics saw the raw reward
-        packed = torch.from_numpy(np.stack([reward, terminated, truncated]).astype(np.float32))
-        packed = packed.to(self.device)  # one small copy instead of three
-        b["rewards"][t, cols] = packed[0]
-        b["terminated"][t, cols] = packed[1].bool()
-        b["truncated"][t, cols] = packed[2].bool()
-        b["final_values"][t, cols] = 0.0
+        cols, b, h = self._cols(g), self.buf, self.host
+        # clip for learning only; the episode statistics already saw the raw reward
+        h["rewards"][t, cols] = np.sign(reward) if self.clip_rewards else reward
+        h["terminated"][t, cols] = terminated
+        h["truncated"][t, cols] = truncated
         if final_obs is not None and value_fn is not None:  # rare: a time limit was hit
             idx = torch.from_numpy(np.flatnonzero(truncated)).to(self.device) + cols.start
             b["final_values"][t, idx] = value_fn(torch.from_numpy(final_obs).to(self.device)).float()
@@ -114,6 +111,7 @@ class Sampler:
         """
         G = len(self.envs)
         self.buf["obs"][0] = self.next_obs
+        self.buf["final_values"].zero_()
         for g in range(G):  # with two groups, group 1's inference overlaps group 0's simulation
             self._act(policy, 0, g)
         for t in range(self.T):
@@ -122,4 +120,6 @@ class Sampler:
                 if t + 1 < self.T:
                     self._act(policy, t + 1, g)
         self.steps += self.T * self.B
+        for k, v in self.host.items():
+            self.buf[k] = torch.from_numpy(v).to(self.device)
         return self.buf
