@@ -36,6 +36,7 @@ Launch:
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
-import torch.nn as nn
-from torch.distributions import Categorical
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, dist, envs  # noqa: E402
+from common import checkpoint, cli, dist, envs  # noqa: E402
 from common.logger import Logger  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
@@ -225,18 +226,12 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
 
 
 def main() -> None:
-    args = checkpoint.parse_args(Args)
+    args = cli.parse_args(Args)
     batch_per_rank = args.num_envs * args.num_steps
-    for name in ("total_timesteps", "num_envs", "num_steps", "learning_rate"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.checkpoint_interval < 0:
-        dist.fail(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
+    if args.learning_rate <= 0:
+        dist.fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if not 0.0 <= args.gae_lambda <= 1.0:
         dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
-    if args.alternate and args.num_envs % 2:
-        dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
-                  f"got {args.num_envs}")
 
     # ---- set-up: process group, environments, run directory, model, optimizer, resume ----
     world = dist.setup(args.cuda)

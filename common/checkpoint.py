@@ -18,31 +18,15 @@ import re
 import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import tyro
 
 from common import dist
 
 CKPT = re.compile(r"step_(\d+)\.pt")
-
-
-def parse_args(cls, argv: list[str] | None = None):
-    """tyro CLI. With `--resume`, the run's saved flags are the defaults and the command line
-    overrides them, so `--resume RUN_DIR` alone continues the run as it was launched."""
-    args = tyro.cli(cls, args=argv)
-    if args.resume:
-        path = Path(args.resume)
-        saved = (path if path.is_dir() else path.parent.parent) / "args.json"
-        if saved.is_file():
-            known = {f.name for f in fields(cls)}
-            old = {k: v for k, v in json.loads(saved.read_text()).items() if k in known}
-            old["resume"] = args.resume
-            args = tyro.cli(cls, args=argv, default=cls(**old))
-    return args
 
 
 def default_run_dir(env_id: str, script: str, seed: int) -> str:
