@@ -2,7 +2,8 @@
 
 Measured in one run, each part warmed up first, then timed for `--seconds`:
   1. raw env      - AtariVectorEnv send/recv with random actions (common.envs.make_envs, 1 group)
-  2. sampler      - Sampler.collect with a trivial policy (random actions, no network)
+  2. sampler      - Sampler.collect with a trivial policy (random actions, no network), timed in
+                    one-rollout blocks interleaved with 1. on the same environments
   3. sampler+net  - Sampler.collect with PPO's network and policy, plain and alternating
   4. learner      - PPO's ppo_update on a random batch of num_envs x num_steps samples
   5. end to end   - algos/ppo_multigpu.py (num_envs, num_steps as here) and, if it exists,
@@ -87,9 +88,9 @@ class Args:
     out: str | None = None
     """JSON output; default benchmarks/results/throughput-<host>-<device>.json"""
     raw: bool = True
-    """measure raw environment steps/s (--no-raw skips)"""
+    """measure raw environment steps/s and the trivial-policy sampler, interleaved (--no-raw)"""
     sampler: bool = True
-    """measure the sampler, trivial policy and PPO network (--no-sampler skips)"""
+    """measure the sampler with PPO's network, plain and alternating (--no-sampler skips)"""
     learner: bool = True
     """measure PPO's update on random data (--no-learner skips)"""
     ppo: bool = True
@@ -146,18 +147,40 @@ def timed(fn, steps_per_call: int, seconds: float, device: torch.device, warmup:
             "seconds": elapsed}
 
 
-def bench_raw(args: Args, device: torch.device) -> dict:
-    e = envs.make_envs(args.env_id, args.num_envs)[0]
-    e.reset(envs.env_seeds(args.seed, 0, args.num_envs))
+def bench_raw_and_sampler(args: Args, device: torch.device, num_actions: int) -> dict:
+    """Raw env steps/s and the trivial-policy sampler's, on the same environments, in
+    interleaved one-rollout blocks: a shared VM's speed drifts by 20% within seconds, so two
+    separate timings would compare different machines. Rates use each side's median block."""
+    env_groups = envs.make_envs(args.env_id, args.num_envs)
+    e, T, n = env_groups[0], args.num_steps, args.num_envs
+    sampler = Sampler(env_groups, T, device)
+    sampler.reset(envs.env_seeds(args.seed, 0, n))
     rng = np.random.default_rng(args.seed)
 
-    def step():
-        e.send(rng.integers(0, e.num_actions, args.num_envs, dtype=np.int64))
-        e.recv()
+    def raw():  # the sampler's next_obs goes stale meanwhile: harmless for a throughput test
+        for _ in range(T):
+            e.send(rng.integers(0, num_actions, n, dtype=np.int64))
+            e.recv()
 
-    r = timed(step, args.num_envs, args.seconds, device, warmup=args.num_steps)
+    def trivial():  # random actions, no network
+        sampler.collect(lambda obs: (torch.randint(num_actions, (obs.shape[0],), device=device),
+                                     {}))
+
+    raw(), trivial()  # warm-up
+    times = {"raw": [], "trivial": []}
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 2 * args.seconds or len(times["raw"]) < 5:
+        order = (("raw", raw), ("trivial", trivial))
+        for name, fn in order if len(times["raw"]) % 2 else order[::-1]:
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
     e.close()
-    return r
+    raw_s, triv_s = (float(np.median(times[k])) for k in ("raw", "trivial"))
+    ratio = float(np.median(np.array(times["raw"]) / np.array(times["trivial"])))
+    return {"raw_env": {"steps_per_s": T * n / raw_s, "blocks": len(times["raw"])},
+            "sampler_trivial": {"steps_per_s": T * n / triv_s, "blocks": len(times["trivial"]),
+                                "paired_ratio_median": ratio}}
 
 
 def bench_sampler(args: Args, device: torch.device, groups: int, policy, value_fn=None,
@@ -258,8 +281,8 @@ def report(res: dict, args: Args) -> tuple[dict, str]:
     rate = {k: v["steps_per_s"] for k, v in res.items()
             if isinstance(v, dict) and "steps_per_s" in v}
     r, lr = {}, res.get("learner")
-    if "raw_env" in rate and "sampler_trivial" in rate:
-        r["sampler_trivial_over_raw"] = rate["sampler_trivial"] / rate["raw_env"]
+    if "sampler_trivial" in res:  # paired blocks: see bench_raw_and_sampler
+        r["sampler_trivial_over_raw"] = res["sampler_trivial"]["paired_ratio_median"]
     for alt in ("plain", "alternating"):
         if lr and f"sampler_ppo_{alt}" in rate:  # learning seconds per step: epochs / learner
             r[f"ppo_bound_{alt}"] = 1 / (1 / rate[f"sampler_ppo_{alt}"]
@@ -274,7 +297,7 @@ def report(res: dict, args: Args) -> tuple[dict, str]:
                      fmt(rate["raw_env"]), ""))
     if "sampler_trivial" in rate:
         rows.append((f"sampler, trivial policy, {n} envs x {args.num_steps} steps",
-                     fmt(rate["sampler_trivial"]), f"sampler/raw = {q:.2f} (>= 0.95)" if q else ""))
+                     fmt(rate["sampler_trivial"]), f"sampler/raw = {q:.2f}, median of paired blocks (>= 0.95)" if q else ""))
     for alt in ("plain", "alternating"):
         if f"sampler_ppo_{alt}" in rate:
             rows.append((f"sampler, PPO network, {alt}", fmt(rate[f"sampler_ppo_{alt}"]), ""))
@@ -333,10 +356,11 @@ def main() -> None:
                                     else ""), flush=True)
 
     if args.raw:
-        measure("raw_env", bench_raw, args, device)
+        print("measuring raw_env and sampler_trivial (interleaved) ...", flush=True)
+        res.update(bench_raw_and_sampler(args, device, num_actions))
+        print(f"  raw {fmt(res['raw_env']['steps_per_s'])}/s, trivial sampler "
+              f"{fmt(res['sampler_trivial']['steps_per_s'])}/s", flush=True)
     if args.sampler:
-        measure("sampler_trivial", bench_sampler, args, device, 1,  # random actions, no network
-                lambda obs: (torch.randint(num_actions, (obs.shape[0],), device=device), {}))
         for groups, name in ((1, "sampler_ppo_plain"), (2, "sampler_ppo_alternating")):
             measure(name, bench_sampler, args, device, groups,
                     *ppo_policy(ppo, num_actions, device, args.seed))

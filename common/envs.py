@@ -123,7 +123,7 @@ class Envs:
             self._actions = actions
 
     def recv(self):
-        """Returns obs, raw reward, terminated, truncated, final_obs.
+        """Returns obs, raw reward, terminated, truncated, final_obs (numpy arrays).
 
         final_obs: uint8 [k, 4, 84, 84], the last observation of each truncated env in index
         order (k = truncated.sum()); the value there bootstraps the truncated return.
@@ -142,11 +142,12 @@ class Envs:
             final_obs = np.stack(info["final_obs"][truncated]) if truncated.any() else None
         self._return += reward
         self._length += 1
-        for i in np.flatnonzero(game_over):
-            self.episodes.append((float(self._return[i]), int(self._length[i])))
-        self._return[game_over] = 0
-        self._length[game_over] = 0
-        return obs, reward.astype(np.float32), terminated, truncated, final_obs
+        if game_over.any():  # rare per step: skip the bookkeeping otherwise (the hot path)
+            for i in np.flatnonzero(game_over):
+                self.episodes.append((float(self._return[i]), int(self._length[i])))
+            self._return[game_over] = 0
+            self._length[game_over] = 0
+        return obs, reward, terminated, truncated, final_obs
 
     def close(self) -> None:
         self.venv.close()
