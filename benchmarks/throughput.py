@@ -177,10 +177,11 @@ def bench_raw_and_sampler(args: Args, device: torch.device, num_actions: int) ->
             times[name].append(time.perf_counter() - t)
     e.close()
     raw_s, triv_s = (float(np.median(times[k])) for k in ("raw", "trivial"))
-    ratio = float(np.median(np.array(times["raw"]) / np.array(times["trivial"])))
+    ratios = np.array(times["raw"]) / np.array(times["trivial"])
     return {"raw_env": {"steps_per_s": T * n / raw_s, "blocks": len(times["raw"])},
             "sampler_trivial": {"steps_per_s": T * n / triv_s, "blocks": len(times["trivial"]),
-                                "paired_ratio_median": ratio}}
+                                "paired_ratio_median": float(np.median(ratios)),
+                                "paired_ratio_quartiles": np.percentile(ratios, [25, 75]).tolist()}}
 
 
 def bench_sampler(args: Args, device: torch.device, groups: int, policy, value_fn=None,
@@ -297,7 +298,9 @@ def report(res: dict, args: Args) -> tuple[dict, str]:
                      fmt(rate["raw_env"]), ""))
     if "sampler_trivial" in rate:
         rows.append((f"sampler, trivial policy, {n} envs x {args.num_steps} steps",
-                     fmt(rate["sampler_trivial"]), f"sampler/raw = {q:.2f}, median of paired blocks (>= 0.95)" if q else ""))
+                     fmt(rate["sampler_trivial"]), (f"sampler/raw = {q:.2f} (>= 0.95), median of paired blocks, quartiles "
+                      "{:.2f}-{:.2f}".format(*res["sampler_trivial"]["paired_ratio_quartiles"])
+                      if q else "")))
     for alt in ("plain", "alternating"):
         if f"sampler_ppo_{alt}" in rate:
             rows.append((f"sampler, PPO network, {alt}", fmt(rate[f"sampler_ppo_{alt}"]), ""))
