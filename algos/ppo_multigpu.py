@@ -223,17 +223,9 @@ def main() -> None:
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
     agent = Agent(env_groups[0].num_actions).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    global_step, iteration = 0, 0
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    if state is not None:
-        try:
-            agent.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, RuntimeError, ValueError) as e:
-            dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
-        global_step, iteration = state["global_step"], state["iteration"]
-        checkpoint.restore_rng(state, world)
+    global_step, iteration = checkpoint.restore(state, agent, optimizer, world)  # or 0, 0
     dist.broadcast_params(agent)
 
     global_batch = batch_per_rank * world.world_size

@@ -123,6 +123,21 @@ def save(run_dir: Path, state: dict, global_step: int, world: dist.World) -> Pat
     return path
 
 
+def restore(state: dict | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            world: dist.World) -> tuple[int, int]:
+    """Load model, optimizer and this rank's RNG states from a checkpoint made by a script's
+    save(); returns (global_step, iteration), or (0, 0) with no checkpoint."""
+    if state is None:
+        return 0, 0
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
+    restore_rng(state, world)
+    return state["global_step"], state["iteration"]
+
+
 def restore_rng(state: dict, world: dist.World) -> None:
     """Each rank takes back its own RNG states (only when the world size is unchanged)."""
     rngs = state.get("rng", [])

@@ -49,3 +49,67 @@ def read_summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def ppo():
     return load_algo("ppo_multigpu")
+
+
+def _rank_main(rank: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    import torch
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def run_two_ranks(fn, *args) -> None:
+    """fn(rank, *args) in two processes joined in a gloo group (as torchrun would set them up)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(port, fn, args), nprocs=2, join=True)
+
+
+def scalar_tags(run_dir: Path) -> set[str]:
+    """Every scalar tag in the run's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags = set()
+    for f in run_dir.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return tags
+
+
+def expect_error(script: str, *args: str) -> str:
+    """Run a script that must refuse its input: exit code 2; returns the last stderr line."""
+    proc = run_script(script, *args, check=False, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    return lines[-1] if lines else ""
+
+
+def start_training(script: str, *args: str, nproc: int = 1):
+    """Start a long run and return (process, its output so far) once training is under way."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
+    proc = subprocess.Popen(launcher + [str(ROOT / "algos" / f"{script}.py"), "--no-cuda", *args],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step"):
+            break
+    return proc, "".join(seen)
+
+
+def assert_stopped_with_checkpoint(run_dir: Path, out: str) -> int:
+    """A signalled run said so, left exactly one complete checkpoint and a matching summary."""
+    assert "stopped by signal" in out, out
+    ckpts = list((run_dir / "checkpoints").glob("step_*.pt"))
+    assert len(ckpts) == 1 and not list((run_dir / "checkpoints").glob("*.tmp"))
+    step = int(ckpts[0].stem.split("_")[1])
+    assert read_summary(run_dir)["global_step"] == step > 0
+    return step

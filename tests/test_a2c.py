@@ -1,40 +1,21 @@
 """a2c_multigpu.py: n-step returns and GAE against brute force, distributed equivalence of the
 update, learning on Catch, torchrun end to end with resume, SIGTERM, and bad input."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import ROOT, load_algo, read_summary, run_script
+from tests.conftest import (assert_stopped_with_checkpoint, expect_error, load_algo, read_summary,
+                            run_script, run_two_ranks, scalar_tags, start_training)
+from tests.test_gae import random_rollout as _rollout_ends
+from tests.test_gae import reference_advantages as reference_gae
 
 
 @pytest.fixture(scope="module")
 def a2c():
     return load_algo("a2c_multigpu")
-
-
-def _rollout_ends(T, B, seed=0):
-    """Random rewards, values and episode ends in a [T, B] rollout, float64 for exact checks."""
-    g = torch.Generator().manual_seed(seed)
-    r = torch.randn(T, B, generator=g, dtype=torch.float64)
-    v = torch.randn(T, B, generator=g, dtype=torch.float64)
-    final_v = torch.randn(T, B, generator=g, dtype=torch.float64)
-    next_v = torch.randn(B, generator=g, dtype=torch.float64)
-    term = torch.rand(T, B, generator=g) < 0.15
-    trunc = (torch.rand(T, B, generator=g) < 0.1) & ~term
-    term[T - 1, 0] = True  # an episode ending on the last step must not bootstrap
-    trunc[T - 1, 1], term[T - 1, 1] = True, False  # truncation on the last step uses final_v
-    term[:, 2] = trunc[:, 2] = False  # one column with no episode end: pure bootstrap
-    term[3, 3], trunc[3, 3] = True, True  # both flags: a termination wins, no bootstrap
-    final_v[~trunc] = 0.0  # as the sampler stores it
-    return r, v, term, trunc, final_v, next_v
 
 
 def reference_returns(r, term, trunc, final_v, next_v, gamma):
@@ -54,27 +35,6 @@ def reference_returns(r, term, trunc, final_v, next_v, gamma):
                     break
                 if t + k == T - 1:
                     total += gamma ** (k + 1) * next_v[b].item()
-                    break
-                k += 1
-            out[t, b] = total
-    return out
-
-
-def reference_gae(r, v, term, trunc, final_v, next_v, gamma, lam):
-    """A(t) = sum_k (gamma*lam)^k delta(t+k) until the episode ends, written out per step."""
-    T, B = r.shape
-    out = torch.zeros(T, B, dtype=torch.float64)
-    for b in range(B):
-        deltas = []
-        for t in range(T):
-            v_next = (0.0 if term[t, b] else final_v[t, b].item() if trunc[t, b]
-                      else next_v[b].item() if t == T - 1 else v[t + 1, b].item())
-            deltas.append(r[t, b].item() + gamma * v_next - v[t, b].item())
-        for t in range(T):
-            total, k = 0.0, 0
-            while t + k < T:
-                total += (gamma * lam) ** k * deltas[t + k]
-                if term[t + k, b] or trunc[t + k, b]:
                     break
                 k += 1
             out[t, b] = total
@@ -129,10 +89,7 @@ def _update(rollout, next_obs, optimizer_name, out_path=None):
     return params
 
 
-def _rank(rank, port, rollout, next_obs, optimizer_name, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
+def _rank(rank, rollout, next_obs, optimizer_name, out_path):
     half = {k: v.chunk(2, dim=1)[rank] for k, v in rollout.items()}  # each rank: half the envs
     _update(half, next_obs.chunk(2)[rank], optimizer_name, out_path)
 
@@ -140,11 +97,7 @@ def _rank(rank, port, rollout, next_obs, optimizer_name, out_path):
 @pytest.mark.parametrize("optimizer_name", ["rmsprop", "adam"])
 def test_two_ranks_on_half_the_envs_equal_one_process_on_all(tmp_path, optimizer_name):
     rollout, next_obs = _rollout(5, 8, 6)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, rollout, next_obs, optimizer_name, str(tmp_path / "p")),
-             nprocs=2, join=True)
+    run_two_ranks(_rank, rollout, next_obs, optimizer_name, str(tmp_path / "p"))
     r0, r1 = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
     single = _update(rollout, next_obs, optimizer_name)
     assert torch.equal(r0, r1)  # every rank took the same step
@@ -190,12 +143,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     ckpt = torch.load(run / "checkpoints" / "step_800.pt", weights_only=True)
     assert ckpt["iteration"] == 20
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tags = set()
-    for f in run.glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        tags |= set(acc.Tags()["scalars"])
+    tags = scalar_tags(run)
     for tag in ("charts/SPS", "charts/learning_rate", "losses/policy_loss", "losses/value_loss",
                 "losses/entropy", "losses/explained_variance", "time/env", "time/inference",
                 "time/learn", "time/comm"):
@@ -206,34 +154,18 @@ def test_sigterm_stops_at_the_logging_cadence_with_a_checkpoint(tmp_path):
     """The stop check runs every log_every iterations; the run must still stop, checkpoint and
     exit 0. (torchrun's forwarding of the signal to every rank is tested with PPO.)"""
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "algos" / "a2c_multigpu.py"), "--no-cuda",
-         "--env-id", "tests.catch_env:Catch-v0", "--total-timesteps", "10000000",
-         "--run-dir", str(run)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:  # wait until training is under way
-        seen.append(line)
-        if line.startswith("step"):
-            break
+    proc, head = start_training("a2c_multigpu", "--env-id", "tests.catch_env:Catch-v0",
+                                "--total-timesteps", "10000000", "--run-dir", str(run))
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    out = head + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
-    assert "stopped by signal" in out, out
-    ckpts = list((run / "checkpoints").glob("step_*.pt"))
-    assert len(ckpts) == 1 and not list((run / "checkpoints").glob("*.tmp"))
-    step = int(ckpts[0].stem.split("_")[1])
-    assert read_summary(run)["global_step"] == step > 0
+    step = assert_stopped_with_checkpoint(run, out)
     assert step % (25 * 80) == 0  # stopped on a logging iteration (every 25 x 16 envs x 5 steps)
 
 
 def _bad(*args):
-    proc = run_script("a2c_multigpu", *args, check=False, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr
-    return lines[-1] if lines else ""
+    return expect_error("a2c_multigpu", *args)
 
 
 def test_bad_inputs_give_one_clear_line(tmp_path):

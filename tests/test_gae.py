@@ -30,9 +30,9 @@ def reference_advantages(r, v, term, trunc, final_v, next_v, gamma, lam):
     return out
 
 
-def test_gae_matches_reference(ppo):
-    g = torch.Generator().manual_seed(0)
-    T, B = 16, 6
+def random_rollout(T, B, seed=0):
+    """Random rewards, values and episode ends in a [T, B] rollout, float64 for exact checks."""
+    g = torch.Generator().manual_seed(seed)
     r = torch.randn(T, B, generator=g, dtype=torch.float64)
     v = torch.randn(T, B, generator=g, dtype=torch.float64)
     final_v = torch.randn(T, B, generator=g, dtype=torch.float64)
@@ -42,7 +42,13 @@ def test_gae_matches_reference(ppo):
     term[T - 1, 0] = True  # an episode ending on the last step must not bootstrap
     trunc[T - 1, 1], term[T - 1, 1] = True, False  # truncation on the last step uses final_v
     term[:, 2] = trunc[:, 2] = False  # one column with no episode end: pure bootstrap
+    term[3, 3], trunc[3, 3] = True, True  # both flags: a termination wins, no bootstrap
     final_v[~trunc] = 0.0  # as the sampler stores it
+    return r, v, term, trunc, final_v, next_v
+
+
+def test_gae_matches_reference(ppo):
+    r, v, term, trunc, final_v, next_v = random_rollout(16, 6)
     for gamma, lam in ((0.99, 0.95), (0.9, 1.0), (0.99, 0.0)):
         got = ppo.gae(r, v, term, trunc, final_v, next_v, gamma, lam)
         want = reference_advantages(r, v, term, trunc, final_v, next_v, gamma, lam)

@@ -1,17 +1,13 @@
 """ppo_multigpu.py: distributed equivalence, end to end with resume, signals, learning, bad input."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.conftest import ROOT, load_algo, read_summary, run_script
+from tests.conftest import (assert_stopped_with_checkpoint, expect_error, load_algo, read_summary,
+                            run_script, run_two_ranks, scalar_tags, start_training)
 
 
 def _batch(n, num_actions, seed=0):
@@ -42,20 +38,13 @@ def _update(batch, out_path=None):
     return params
 
 
-def _rank(rank, port, batch, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    half = {k: v.chunk(2)[rank] for k, v in batch.items()}
-    _update(half, out_path)
+def _rank(rank, batch, out_path):
+    _update({k: v.chunk(2)[rank] for k, v in batch.items()}, out_path)  # each: half the batch
 
 
 def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
     batch = _batch(64, 6)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, batch, str(tmp_path / "p")), nprocs=2, join=True)
+    run_two_ranks(_rank, batch, str(tmp_path / "p"))
     r0, r1 = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
     single = _update(batch)
     assert torch.equal(r0, r1)  # every rank took the same step
@@ -86,60 +75,36 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     ckpt = torch.load(run / "checkpoints" / "step_512.pt", weights_only=True)
     assert ckpt["iteration"] == 4
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    tags = set()
-    for f in run.glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        tags |= set(acc.Tags()["scalars"])
+    tags = scalar_tags(run)
     for tag in ("charts/SPS", "losses/policy_loss", "losses/value_loss", "losses/entropy",
                 "losses/approx_kl", "losses/clipfrac", "time/env", "time/inference",
                 "time/learn", "time/comm"):
         assert tag in tags
 
 
-def _start(run, nproc):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
-    proc = subprocess.Popen(
-        launcher + [str(ROOT / "algos" / "ppo_multigpu.py"), "--no-cuda", "--env-id", "Pong-v5",
-                    "--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1",
-                    "--update-epochs", "1", "--total-timesteps", "10000000", "--run-dir", str(run)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:  # wait until training is under way
-        seen.append(line)
-        if line.startswith("step"):
-            break
-    time.sleep(1.0)
-    return proc, "".join(seen)
-
-
-def _check_stopped(run, out):
-    assert "stopped by signal" in out, out
-    ckpts = list((run / "checkpoints").glob("step_*.pt"))
-    assert len(ckpts) == 1 and not list((run / "checkpoints").glob("*.tmp"))
-    step = int(ckpts[0].stem.split("_")[1])
-    assert read_summary(run)["global_step"] == step > 0
+LONG_RUN = ("--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "16", "--num-minibatches",
+            "1", "--update-epochs", "1", "--total-timesteps", "10000000")
 
 
 def test_sigint_checkpoints_and_exits_cleanly(tmp_path):
-    proc, head = _start(tmp_path / "run", 1)
+    proc, head = start_training("ppo_multigpu", *LONG_RUN, "--run-dir", str(tmp_path / "run"))
+    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)  # Ctrl-C
     out = head + proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
-    _check_stopped(tmp_path / "run", out)
+    assert_stopped_with_checkpoint(tmp_path / "run", out)
 
 
 def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
     """torchrun forwards SIGTERM to its workers, waits for them, then re-raises the signal
     itself (its own exit code is 1): what we own is that every rank checkpoints and exits 0."""
-    proc, head = _start(tmp_path / "run", 2)
+    proc, head = start_training("ppo_multigpu", *LONG_RUN, "--run-dir", str(tmp_path / "run"),
+                                nproc=2)
+    time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     out = head + proc.communicate(timeout=120)[0]
     assert "ChildFailedError" not in out and "exitcode" not in out, out  # no rank failed
-    _check_stopped(tmp_path / "run", out)
+    assert_stopped_with_checkpoint(tmp_path / "run", out)
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
@@ -172,10 +137,7 @@ def test_ppo_learns_catch(tmp_path):
 
 
 def _bad(tmp_path, *args):
-    proc = run_script("ppo_multigpu", *args, check=False, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr
-    return lines[-1] if lines else ""
+    return expect_error("ppo_multigpu", *args)
 
 
 def test_bad_inputs_give_one_clear_line(tmp_path):
