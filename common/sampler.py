@@ -59,7 +59,6 @@ class Sampler:
         self._obs_np = None if self.buf["obs"].is_cuda else self.buf["obs"].numpy()
         self._next_np = None if self.next_obs.is_cuda else self.next_obs.numpy()
         self.time_env = self.time_inference = 0.0
-        self.steps = 0  # environment steps this rank has taken
 
     def reset(self, seeds: np.ndarray) -> None:
         """Reset all environments, environment b with seeds[b] (see envs.env_seeds)."""
@@ -93,7 +92,7 @@ class Sampler:
     @torch.no_grad()
     def _store(self, t: int, g: int, value_fn: Callable | None) -> None:
         """Wait for group g's step t and record its outcome; the new observation goes straight
-        into obs[t + 1] (or next_obs after the last step), one host-to-device copy."""
+        into obs[t + 1] (or next_obs after the last step) with a single copy."""
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, final_obs = self.envs[g].recv()
         self.time_env += time.perf_counter() - t0
@@ -126,7 +125,6 @@ class Sampler:
                 self._store(t, g, value_fn)
                 if t + 1 < self.T:
                     self._act(policy, t + 1, g)
-        self.steps += self.T * self.B
         for k, v in self.host.items():
             self.buf[k] = torch.from_numpy(v).to(self.device)
         return self.buf
