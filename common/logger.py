@@ -61,7 +61,7 @@ class Logger:
     def _progress(self, step: int, sps: float) -> None:
         total = self.args.total_timesteps
         recent = f"{sum(self.returns) / len(self.returns):8.2f}" if self.returns else "     n/a"
-        left = (total - step) / sps if sps > 0 else 0
+        left = max(0.0, (total - step) / sps) if sps > 0 else 0.0  # the last batch may overshoot
         line = (f"step {step:>11,}/{total:,} ({100 * step / total:5.1f}%) | SPS {sps:8,.0f} | "
                 f"return(last 100) {recent} | episodes {self.episodes:,} | "
                 f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
