@@ -271,7 +271,8 @@ def main() -> None:
     def save():
         return checkpoint.save(run_dir, {"model": agent.state_dict(),
                                          "optimizer": optimizer.state_dict(),
-                                         "iteration": iteration, "env_id": args.env_id},
+                                         "iteration": iteration, "env_id": args.env_id,
+                                         "script": "a2c_multigpu"},
                                global_step, world)
 
     saved_at = global_step

@@ -70,6 +70,9 @@ def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None
                 ckpt_path = find_checkpoint(args.resume)
                 state = load(ckpt_path)
                 run_dir = Path(args.run_dir) if args.run_dir else ckpt_path.parent.parent
+                if state.get("script", script) != script:
+                    raise ValueError(f"checkpoint {ckpt_path} was written by {state['script']}, "
+                                     f"not {script}")
                 if state.get("env_id") != args.env_id:
                     raise ValueError(f"checkpoint {ckpt_path} was trained on "
                                      f"{state.get('env_id')!r}, not {args.env_id!r}")

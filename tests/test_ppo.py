@@ -166,6 +166,14 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
     (corrupt / "checkpoints").mkdir(parents=True)
     (corrupt / "checkpoints" / "step_100.pt").write_bytes(b"\x00garbage" * 100)
     assert "cannot read checkpoint" in _bad(tmp_path, "--resume", str(corrupt))
+    foreign = tmp_path / "foreign" / "checkpoints"
+    foreign.mkdir(parents=True)
+    torch.save({"script": "a2c_multigpu", "env_id": "Pong-v5"}, foreign / "step_100.pt")
+    assert "was written by a2c_multigpu, not ppo_multigpu" in _bad(
+        tmp_path, "--resume", str(foreign.parent))
+    torch.save({"script": "ppo_multigpu", "env_id": "Breakout-v5"}, foreign / "step_200.pt")
+    assert "was trained on 'Breakout-v5', not 'Pong-v5'" in _bad(
+        tmp_path, "--resume", str(foreign / "step_200.pt"))
 
 
 def test_same_seed_same_run(tmp_path):
