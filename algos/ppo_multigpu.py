@@ -119,6 +119,14 @@ class Agent(nn.Module):
         return self.actor(h), self.critic(h).squeeze(-1)
 
 
+def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sampler's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob [n], value [n]}."""
+    logits, value = agent(obs)
+    pi = Categorical(logits=logits)
+    action = pi.sample()
+    return action, {"logprob": pi.log_prob(action), "value": value}
+
+
 def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout.
 
@@ -236,12 +244,6 @@ def main() -> None:
     logger = Logger(run_dir, world, args, start_step=global_step)
     stop = checkpoint.StopRequest()
 
-    def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n], {logprob, value}
-        logits, value = agent(obs)
-        pi = Categorical(logits=logits)
-        action = pi.sample()
-        return action, {"logprob": pi.log_prob(action), "value": value}
-
     def save():
         return checkpoint.save(run_dir, {"model": agent.state_dict(),
                                          "optimizer": optimizer.state_dict(),
@@ -258,7 +260,7 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
         env_t0, inf_t0 = sampler.time_env, sampler.time_inference
-        rollout = sampler.collect(policy, value_fn=lambda o: agent(o)[1])
+        rollout = sampler.collect(lambda obs: act(agent, obs), value_fn=lambda o: agent(o)[1])
         global_step += global_batch
 
         # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----

@@ -198,16 +198,10 @@ def bench_sampler(args: Args, device: torch.device, groups: int, policy, value_f
 
 
 def ppo_policy(ppo, num_actions: int, device: torch.device, seed: int):
-    """(policy, value_fn, extras) with PPO's network: the same closure as in PPO's main."""
+    """(policy, value_fn, extras) with PPO's network and its own act()."""
     torch.manual_seed(seed)
     agent = ppo.Agent(num_actions).to(device)
-
-    def policy(obs):
-        logits, value = agent(obs)
-        pi = torch.distributions.Categorical(logits=logits)
-        action = pi.sample()
-        return action, {"logprob": pi.log_prob(action), "value": value}
-    return policy, (lambda o: agent(o)[1]), ("logprob", "value")
+    return (lambda obs: ppo.act(agent, obs)), (lambda o: agent(o)[1]), ("logprob", "value")
 
 
 def bench_learner(args: Args, ppo, device: torch.device, num_actions: int) -> dict:
