@@ -1,0 +1,413 @@
+"""Asynchronous PPO on Atari: sampling overlaps learning, and GPUs never wait for each other.
+
+APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
+1803.02811, Sec. 3.2 and Table 2): PPO's clipped-surrogate loss (Schulman et al. 2017, arXiv
+1707.06347) with two asynchronies.
+1. Within a rank: a sampler process (common/async_sampler.py) runs the rank's environments with
+   batched inference (Sec. 3.1) on its own copy of the policy and fills shared-memory rollout
+   buffers while the learner trains on the previous rollout. Every rollout records the version
+   of the parameters that produced it; the learner's importance ratio uses the behaviour
+   policy's stored log-probabilities, so clipping bounds the staleness, and rollouts more than
+   --max-policy-lag versions old are dropped.
+2. Across ranks: central parameters and Adam state in the machine's shared memory
+   (common/central_adam.py). After each minibatch gradient a rank applies Adam to the central
+   copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then
+   pulls the new parameters. There is no all-reduce: no rank waits for another's gradient.
+Ranks meet once per rollout, for logging, signals and checkpoints (as every accelrl script does),
+never inside an update. One machine only: for several, use ppo_multigpu.py.
+
+Launch:
+    python algos/appo_async.py --env-id Pong-v5                           # one GPU (or the CPU)
+    torchrun --standalone --nproc_per_node 8 algos/appo_async.py          # 8 GPUs, one machine
+    python algos/appo_async.py --no-cuda --sampler-cores 0                # CPU: sampler on core 0,
+                                                                          # learner on the rest
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
+# threads need (README).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributions import Categorical  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from common import checkpoint, cli, dist, envs  # noqa: E402
+from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
+from common.central_adam import CentralAdam  # noqa: E402
+from common.logger import Logger  # noqa: E402
+
+
+@dataclass
+class Args:
+    env_id: str = "Pong-v5"
+    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
+    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
+    seed: int = 1
+    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    total_timesteps: int = 10_000_000
+    """environment steps trained on, over all ranks (frames are 4x this; dropped rollouts are
+    not counted)"""
+    num_envs: int = 8
+    """environments per rank (paper: 8 per GPU for PPO and APPO)"""
+    cuda: bool = True
+    """use cuda:LOCAL_RANK (gloo for the few collectives) when a GPU exists; --no-cuda forces the CPU"""
+    run_dir: str | None = None
+    """output directory; default runs/<env>__appo_async__<seed>__<unix time>"""
+    alternate: bool = False
+    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
+    checkpoint_interval: int = 0
+    """global steps between checkpoints; 0 means only at the end"""
+    resume: str | None = None
+    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
+    --run-dir's newest checkpoint if it has one, else start the run there"""
+    keep_checkpoints: int = 3
+    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
+    keeps all"""
+    collective_timeout: float = 600.0
+    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
+    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
+    episodic_life: bool = True
+    """end the learner's episode at each life loss, the game going on (paper: on)"""
+    sticky_actions: bool = False
+    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
+    clip_rewards: bool = True
+    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+
+    num_steps: int = 128
+    """steps per environment per rollout (PPO paper, Atari)"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate (PPO paper, Atari)"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0 over --total-timesteps (PPO paper, Atari)"""
+    gamma: float = 0.99
+    """discount factor (PPO paper)"""
+    gae_lambda: float = 0.95
+    """GAE lambda (PPO paper)"""
+    num_minibatches: int = 4
+    """minibatches per epoch, each a central Adam step (PPO paper: 4 x 256)"""
+    update_epochs: int = 4
+    """passes over each rollout (Atari: 3 in the PPO paper, 4 in CleanRL and baselines' ppo2)"""
+    norm_adv: bool = True
+    """normalise advantages with this rank's rollout statistics (ranks do not wait for each other)"""
+    clip_coef: float = 0.1
+    """surrogate clipping epsilon (PPO paper, Atari); it also bounds the staleness of old rollouts"""
+    clip_vloss: bool = True
+    """clip the value function update like the policy's (baselines' ppo2)"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (PPO paper, Atari)"""
+    vf_coef: float = 0.5
+    """value loss coefficient (baselines' ppo2)"""
+    max_grad_norm: float = 0.5
+    """this rank's gradient-norm clip before its central Adam step (baselines' ppo2)"""
+    target_kl: float | None = None
+    """stop this rank's epochs on a rollout early when its approximate KL exceeds this"""
+
+    num_buffers: int = 2
+    """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
+    trains on the other; more absorb jitter at the price of older rollouts"""
+    max_policy_lag: int = 4
+    """drop (and count) a rollout whose parameters are more than this many of the rank's updates
+    older than the learner's; with 2 buffers the lag is 1 in steady state"""
+    num_chunks: int = 3
+    """chunks of the central parameters, each under its own lock (paper: 3)"""
+    sampler_cores: tuple[int, ...] = ()
+    """CPU cores for each rank's sampler process (its emulators and inference); the learner then
+    runs on the other cores it may use. Empty: no pinning, all share the cores"""
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
+    nn.init.orthogonal_(layer.weight, std)  # orthogonal init as in baselines' Atari policies
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class Agent(nn.Module):
+    """Nature-DQN torso (Mnih et al. 2015) with a policy head and a value head."""
+
+    def __init__(self, num_actions: int):
+        super().__init__()
+        self.torso = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
+        self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N]."""
+        h = self.torso(obs.float() / 255.0)
+        return self.actor(h), self.critic(h).squeeze(-1)
+
+
+def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sampler's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob [n], value [n]}.
+    Module-level, so the sampler process can unpickle it."""
+    logits, value = agent(obs)
+    pi = Categorical(logits=logits)
+    action = pi.sample()
+    return action, {"logprob": pi.log_prob(action), "value": value}
+
+
+def value(agent: Agent, obs: torch.Tensor) -> torch.Tensor:
+    """obs uint8 [n, 4, 84, 84] -> the behaviour policy's values [n] (bootstrapping)."""
+    return agent(obs)[1]
+
+
+def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout,
+    exactly as ppo_multigpu.py computes it (tests/test_appo.py checks they agree).
+
+    At a termination the next state's value is 0; at a truncation it is the value of the true
+    last observation (final_values). next_value [B] bootstraps the last step.
+    """
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        v_next = next_value if t == T - 1 else values[t + 1]
+        v_next = torch.where(truncated[t], final_values[t], v_next)
+        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
+        delta = rewards[t] + gamma * v_next - values[t]
+        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
+        advantages[t] = running
+    return advantages
+
+
+def appo_update(agent: Agent, central: CentralAdam, batch: dict[str, torch.Tensor], args: Args,
+                lr: float) -> tuple[dict[str, float], float]:
+    """PPO's clipped-surrogate epochs over this rank's flat batch, each minibatch gradient applied
+    to the central parameters; returns (stats, seconds waiting for chunks other ranks held).
+
+    The loss is ppo_multigpu.ppo_update's, line for line. What differs: no all-reduce, and after
+    each minibatch the rank takes a central Adam step and pulls the result, which includes
+    whatever the other ranks applied meanwhile (Sec. 3.2). `logprob` is the behaviour policy's,
+    possibly some versions old: the ratio corrects for that and clipping bounds it.
+    """
+    adv = batch["advantages"]
+    if args.norm_adv:  # this rank's statistics: a global mean would make ranks wait for each other
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    n = adv.shape[0]
+    mb_size = n // args.num_minibatches
+    sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
+                          "clipfrac"), 0.0)
+    updates, waited = 0, 0.0
+    for _ in range(args.update_epochs):
+        perm = torch.randperm(n, device=adv.device)
+        kls = []
+        for start in range(0, n, mb_size):
+            idx = perm[start:start + mb_size]
+            logits, value = agent(batch["obs"][idx])
+            pi = Categorical(logits=logits)
+            logratio = pi.log_prob(batch["actions"][idx]) - batch["logprob"][idx]
+            ratio = logratio.exp()
+            mb_adv = adv[idx]
+            pg_loss = torch.max(-mb_adv * ratio,
+                                -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+            ret, old_v = batch["returns"][idx], batch["value"][idx]
+            if args.clip_vloss:
+                v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
+                v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((value - ret) ** 2).mean()
+            entropy = pi.entropy().mean()
+            loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+
+            agent.zero_grad(set_to_none=False)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            waited += central.step(lr)  # chunk by chunk, whichever chunk is free first
+            central.pull()  # the new central parameters, other ranks' steps included
+
+            with torch.no_grad():  # KL estimators from http://joschu.net/blog/kl-approx.html
+                approx_kl = ((ratio - 1) - logratio).mean()
+                kls.append(approx_kl)
+                for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss),
+                             ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
+                             ("approx_kl", approx_kl),
+                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
+                    sums[k] += v  # device tensors: no host sync per minibatch
+            updates += 1
+        if args.target_kl is not None and torch.stack(kls).mean().item() > args.target_kl:
+            break
+    return {k: float(v) / updates for k, v in sums.items()}, waited
+
+
+def main() -> None:
+    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
+    batch_per_rank = args.num_envs * args.num_steps
+    for name in ("num_minibatches", "update_epochs", "num_chunks"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if batch_per_rank % args.num_minibatches:
+        dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
+                  f"by --num-minibatches {args.num_minibatches}")
+    if args.num_buffers < 2:
+        dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
+                  f"{args.num_buffers}")
+    if args.max_policy_lag < 0:
+        dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) != world.world_size:
+        dist.fail("appo_async.py runs on one machine (its central parameters live in that "
+                  "machine's shared memory); for several machines use ppo_multigpu.py")
+    allowed = os.sched_getaffinity(0)
+    if not set(args.sampler_cores) <= allowed:
+        dist.fail(f"--sampler-cores {list(args.sampler_cores)} are not all among the cores this "
+                  f"process may use: {sorted(allowed)}")
+
+    # ---- set-up: environments, run directory, model, central optimizer, sampler ----
+    device = world.device
+    env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
+                      groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
+                      sticky_actions=args.sticky_actions, num_threads=len(args.sampler_cores))
+    try:  # check the game here, with one message; the sampler process makes its own
+        probe = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
+    except envs.EnvError as e:
+        dist.fail(str(e))
+    num_actions = probe.num_actions
+    probe.close()
+    run_dir, state = checkpoint.prepare_run(args, "appo_async", world)
+
+    torch.manual_seed(args.seed)  # same initial parameters on every rank
+    agent = Agent(num_actions).to(device)
+    torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
+    np.random.seed(args.seed * 1000 + world.rank)
+    global_step = checkpoint.restore(state, world, model=agent)  # or 0
+    if args.sampler_cores and allowed - set(args.sampler_cores):  # disjoint cores: real overlap
+        os.sched_setaffinity(0, allowed - set(args.sampler_cores))
+        torch.set_num_threads(len(allowed - set(args.sampler_cores)))
+
+    # Rank 0 writes the central state from its initial or resumed parameters; the others attach
+    # to it by name once it exists, and rank 0 unlinks the names when all have attached.
+    adam = partial(CentralAdam, agent.parameters(), args.num_chunks, eps=1e-5)
+    central = adam(state=state["optimizer"] if state else None) if world.is_main else None
+    name = dist.broadcast_object(central.name if world.is_main else None, world)
+    central = central or adam(name=name)
+    dist.all_gather(None)  # every rank has mapped and opened the files
+    if world.is_main:
+        central.unlink()
+    central.pull()
+
+    global_batch = batch_per_rank * world.world_size
+    seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
+    sampler = AsyncSampler(partial(Agent, num_actions), act, value, env_kwargs, args.num_steps,
+                           envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
+                           agent, device, extras=("logprob", "value"),
+                           clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
+                           seed=int(seeds[0]), cores=list(args.sampler_cores),
+                           threads=max(1, len(args.sampler_cores)))
+    logger = Logger(run_dir, world, args, state)
+    stop = checkpoint.StopRequest()
+    version = 0  # updates this rank's learner has published to its sampler
+    lag_sum, lag_max, trained, dropped = 0, 0, 0, 0  # over the whole run, all ranks
+    if state:
+        lag_sum, lag_max, trained, dropped = state["lag"]
+
+    def save():
+        central.pull()  # all ranks are between updates here: the central copy is complete
+        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
+                               {"model": agent.state_dict(), "optimizer": central.state_dict(),
+                                "logger": logger.state(), "lag": [lag_sum, lag_max, trained,
+                                                                  dropped],
+                                "env_id": args.env_id, "script": "appo_async"})
+
+    saved_at = global_step
+    try:
+        while global_step < args.total_timesteps:
+            # The schedule follows the global step, so a resume with other ranks or batches goes
+            # on where it stopped.
+            lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
+                                       if args.anneal_lr else 1.0)
+
+            # ---- sampling runs in the sampler process: take the next rollout fresh enough ----
+            waits = dict.fromkeys(("env", "inference", "sampler_wait", "learner_wait"), 0.0)
+            episodes, my_dropped = [], 0
+            while True:
+                i, info = sampler.get()
+                for k, key in (("env", "time_env"), ("inference", "time_inference"),
+                               ("sampler_wait", "sampler_wait"), ("learner_wait", "learner_wait")):
+                    waits[k] += info[key]
+                episodes += info["episodes"]
+                lag = version - info["version"]
+                if lag <= args.max_policy_lag:
+                    break
+                my_dropped += 1  # too stale: the clipped ratio would mostly ignore it anyway
+                sampler.release(i)
+            rollout = {k: v.to(device) for k, v in sampler.rollout(i).items()}  # CPU: no copy
+            global_step += global_batch
+
+            # ---- learning: GAE on the behaviour values, then PPO epochs on central Adam ----
+            learn_t0 = time.perf_counter()
+            with torch.no_grad():
+                advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
+                                 rollout["truncated"], rollout["final_values"],
+                                 rollout["next_value"], args.gamma, args.gae_lambda)
+            batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
+                     "actions": rollout["actions"].flatten(),
+                     "logprob": rollout["logprob"].flatten(), "value": rollout["value"].flatten(),
+                     "advantages": advantages.flatten(),
+                     "returns": (advantages + rollout["value"]).flatten()}
+            stats, comm = appo_update(agent, central, batch, args, lr)
+            y, y_pred = batch["returns"], batch["value"]
+            explained_var = (1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)).item()
+            version += 1
+            sampler.publish(agent, version)
+            sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
+            learn = time.perf_counter() - learn_t0 - comm
+
+            # ---- logging and checkpoints: the once-per-rollout meeting of the ranks ----
+            meet_t0 = time.perf_counter()
+            lags = dist.all_gather((lag, my_dropped))
+            comm += time.perf_counter() - meet_t0  # waiting for slower ranks included
+            lag_sum += sum(x for x, _ in lags)
+            lag_max = max(lag_max, *(x for x, _ in lags))
+            trained += len(lags)
+            dropped += sum(d for _, d in lags)
+            logger.log(global_step,
+                       {**{f"losses/{k}": v for k, v in stats.items()},
+                        "losses/explained_variance": explained_var,
+                        "charts/learning_rate": lr,
+                        "charts/policy_lag_mean": sum(x for x, _ in lags) / len(lags),
+                        "charts/policy_lag_max": max(x for x, _ in lags),
+                        "charts/dropped_rollouts": dropped},
+                       episodes, {**waits, "learn": learn, "comm": comm})
+            interval = args.checkpoint_interval
+            if interval and global_step // interval > (global_step - global_batch) // interval:
+                save()
+                saved_at = global_step
+            if stop(device):
+                if world.is_main:
+                    print(f"\nstopped by signal at step {global_step:,}; continue with "
+                          f"--resume {run_dir}", flush=True)
+                break
+    except SamplerDied as e:
+        print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
+        sampler.close()
+        os._exit(1)  # the other ranks' next collective fails, and torchrun stops them all
+    finally:
+        sampler.close()
+
+    if saved_at != global_step:
+        path = save()
+        if world.is_main:
+            print(f"\ncheckpoint: {path}", flush=True)
+    logger.summary(global_step, policy_lag_mean=lag_sum / max(trained, 1),
+                   policy_lag_max=lag_max, dropped_rollouts=dropped)
+    logger.close()
+    central.close()
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Asynchronous sampling: a sampler process fills shared-memory rollout buffers while the learner
+trains (rlpyt's asynchronous runner, after Stooke & Abbeel 2018, Sec. 3).
+
+    learner process                               sampler process (one per rank)
+      get() -> rollout in buffer i, its version     waits for a free buffer j
+      trains on it                                  copies the newest parameters, notes version
+      publish(model, version)                       collects T steps into buffer j (batched
+      release(i)                                    inference, common.sampler.Sampler), sends j
+
+With `num_buffers` >= 2 the sampler always has a buffer to fill while the learner trains on
+another, so neither waits for the other unless it is the faster one. The buffers, the published
+parameters and the version are tensors in shared memory (torch.multiprocessing: the sampler is a
+child of the learner), created once; only buffer indices and episode statistics go through
+queues. Buffers are on the CPU: on a GPU the sampler infers on the device and copies each
+rollout out once, and the learner copies it in once.
+
+Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls the parent's pid), and
+ignores SIGINT/SIGTERM (its learner decides when to stop). The learner checks the sampler's
+liveness while it waits and raises SamplerDied with the exit code, or with the sampler's own
+traceback when it failed with an exception. The "spawn" context: forking a process that already
+runs torch's and ALE's threads is unsafe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from functools import partial
+
+import torch
+import torch.multiprocessing as mp
+
+from common import envs
+from common.sampler import Sampler
+
+
+class SamplerDied(RuntimeError):
+    """The sampler process ended or failed; the message says how."""
+
+
+class AsyncSampler:
+    """`policy(model, obs)` -> (actions, extras) and `value_fn(model, obs)` -> values (or None)
+    are module-level functions; `make_model()` builds the sampler's copy of the network, whose
+    parameters come from `publish`. `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
+    keys plus `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (the behaviour
+    policy's value of next_obs, for bootstrapping)."""
+
+    def __init__(self, make_model, policy, value_fn, env_kwargs: dict, num_steps: int,
+                 seeds, model: torch.nn.Module, device: torch.device, extras=(),
+                 clip_rewards: bool = True, num_buffers: int = 2, seed: int = 0,
+                 cores: list[int] | None = None, threads: int = 1):
+        T, B = num_steps, env_kwargs["num_envs"]
+        shapes = {"obs": ((T, B, 4, 84, 84), torch.uint8), "actions": ((T, B), torch.long),
+                  "rewards": ((T, B), torch.float32), "terminated": ((T, B), torch.bool),
+                  "truncated": ((T, B), torch.bool), "final_values": ((T, B), torch.float32),
+                  **{k: ((T, B), torch.float32) for k in extras},
+                  "next_obs": ((B, 4, 84, 84), torch.uint8), "next_value": ((B,), torch.float32)}
+        # [num_buffers, ...] per key, in shared memory: buffer i is buffers[k][i]
+        self.buffers = {k: torch.zeros((num_buffers, *s), dtype=d).share_memory_()
+                        for k, (s, d) in shapes.items()}
+        self.params = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
+        self.params = self.params.clone().share_memory_()
+        self.version = torch.zeros(1, dtype=torch.int64).share_memory_()
+        ctx = mp.get_context("spawn")
+        self.lock, self.free, self.full = ctx.Lock(), ctx.Queue(), ctx.Queue()
+        for i in range(num_buffers):
+            self.free.put(i)
+        self.proc = ctx.Process(
+            target=_sampler_main, daemon=True, name="accelrl-sampler",
+            args=(os.getpid(), make_model, policy, value_fn, env_kwargs, T, seeds, device,
+                  tuple(extras), clip_rewards, seed, cores, threads, self.buffers, self.params,
+                  self.version, self.lock, self.free, self.full))
+        self.proc.start()
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """New parameters for the sampler's next rollout, tagged with `version`."""
+        flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
+        with self.lock:  # the sampler never copies half-written parameters
+            self.params.copy_(flat)
+            self.version[0] = version
+
+    def get(self) -> tuple[int, dict]:
+        """Wait for the next full buffer: (index, info). info: version, episodes, time_env,
+        time_inference, sampler_wait (sampler's seconds waiting for a free buffer before it),
+        learner_wait (seconds this call waited)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                msg = self.full.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    code = self.proc.exitcode
+                    how = (f"was killed by {signal.Signals(-code).name}" if code and code < 0
+                           else f"exited with code {code}")
+                    raise SamplerDied(f"sampler process (pid {self.proc.pid}) {how}") from None
+        if msg[0] == "error":
+            raise SamplerDied(f"sampler process (pid {self.proc.pid}) failed:\n{msg[1]}")
+        _, i, info = msg
+        return i, {**info, "learner_wait": time.perf_counter() - t0}
+
+    def rollout(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.buffers.items()}
+
+    def release(self, i: int) -> None:
+        """Buffer i may be overwritten: the learner is done with it."""
+        self.free.put(i)
+
+    def close(self) -> None:
+        """Stop the sampler (within a second or two, killed if it does not stop)."""
+        if self.proc.is_alive():
+            self.free.put(None)
+            self.proc.join(timeout=3)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        for q in (self.free, self.full):  # do not block exit flushing a pipe nobody reads
+            q.cancel_join_thread()
+            q.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    try:  # Linux: SIGKILL this process when the thread that started it exits
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, device, extras,
+                  clip_rewards, seed, cores, threads, buffers, params, version, lock, free, full):
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the learner stops us when it has saved
+    env_groups = []
+    try:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        env_groups = envs.make_envs(**env_kwargs)
+        model = make_model().to(device)
+        sampler = Sampler(env_groups, T, device, extras=extras, clip_rewards=clip_rewards)
+        sampler.reset(seeds)
+        have = -1
+        while True:
+            t0 = time.perf_counter()
+            while True:  # wait for a free buffer, watching the parent
+                try:
+                    i = free.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    if os.getppid() != parent:
+                        os._exit(1)
+            if i is None:
+                break
+            waited = time.perf_counter() - t0
+            with lock:
+                if int(version) != have:  # copy: the model must not alias the shared vector
+                    torch.nn.utils.vector_to_parameters(params.to(device, copy=True),
+                                                        model.parameters())
+                    have = int(version)
+            env0, inf0 = sampler.time_env, sampler.time_inference
+            buf = {k: v[i] for k, v in buffers.items()}
+            if device.type == "cpu":  # write straight into shared memory
+                sampler.buf = {k: buf[k] for k in sampler.buf}
+            out = sampler.collect(partial(policy, model),
+                                  value_fn and partial(value_fn, model))
+            with torch.no_grad():
+                out = {**out, "next_obs": sampler.next_obs}
+                if value_fn is not None:
+                    out["next_value"] = value_fn(model, sampler.next_obs)
+            for k, v in out.items():
+                if buf[k].data_ptr() != v.data_ptr():
+                    buf[k].copy_(v)
+            full.put(("rollout", i, {"version": have, "episodes": sampler.pop_episodes(),
+                                     "time_env": sampler.time_env - env0,
+                                     "time_inference": sampler.time_inference - inf0,
+                                     "sampler_wait": waited}))
+    except Exception:
+        full.put(("error", traceback.format_exc()))
+        full.close()
+        full.join_thread()
+        sys.exit(1)
+    finally:
+        for e in env_groups:
+            e.close()

@@ -1,0 +1,143 @@
+"""Central parameters and Adam state in the machine's shared memory, updated asynchronously.
+
+The paper's asynchronous multi-GPU optimisation (Stooke & Abbeel 2018, Sec. 3.2, used there by
+A3C, APPO and asynchronous DQN): one copy of the parameters and of the optimizer's statistics
+lives in CPU memory shared by every process on the machine. A process with a gradient applies
+the update rule to that copy chunk by chunk, each chunk under its own lock, taking whichever
+chunk is free first, then copies the new parameters into its own model. No process waits for
+another to finish a step; it only waits, briefly, when every chunk it still has to update is
+being written by someone else. Adam is elementwise, so each chunk's update is complete on its
+own, and a chunk's step count (for the bias correction) counts the gradients it has taken.
+
+Named files, not torch.multiprocessing: torchrun starts ranks as separate programs, not children
+of one parent, so they must find the memory by name. Chunk c is the file `<name>.c<c>` in
+/dev/shm (RAM), float32 [3, n_c]: parameters, Adam's first moment, its second moment;
+`<name>.steps` is int64 [num_chunks]. All are mapped with `torch.from_file(shared=True)`.
+Locks are `fcntl.flock` on the chunk's own file (LOCK_NB to try one without waiting); the kernel
+drops a lock when its holder dies, so a killed rank never leaves a chunk locked. Once every
+process has mapped and opened the files, the creator unlinks them (`unlink()`): mappings and
+locks live on, and nothing is left in /dev/shm however the run ends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+
+
+class CentralAdam:
+    """Adam on central parameters shared by the processes of one machine.
+
+    The creator (name=None) writes the files from `params` (and a checkpoint's `state`); others
+    attach with the creator's `name`. `step(lr)` applies the gradients in `params`' `.grad`,
+    then `pull()` copies the central parameters into `params`.
+    """
+
+    def __init__(self, params, num_chunks: int = 3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 name: str | None = None, state: dict | None = None, folder: Path = FOLDER):
+        self.params = list(params)
+        n = sum(p.numel() for p in self.params)
+        self.sizes = [len(c) for c in torch.arange(n).tensor_split(num_chunks)]
+        self.betas, self.eps, self.name = betas, eps, name or f"accelrl-{uuid.uuid4().hex[:12]}"
+        self.paths = [folder / f"{self.name}.c{c}" for c in range(num_chunks)]
+        self.steps_path = folder / f"{self.name}.steps"
+        if name is None:
+            self._create(state)
+        self.chunks = [torch.from_file(str(p), shared=True, size=3 * k).view(3, k)
+                       for p, k in zip(self.paths, self.sizes)]  # [3, n_c]: param, m, v
+        self.steps = torch.from_file(str(self.steps_path), shared=True, size=num_chunks,
+                                     dtype=torch.int64)
+        self.fds = [os.open(p, os.O_RDWR) for p in self.paths]
+        self.last_order: list[tuple[int, int]] = []  # (chunk, its step count) of the last step
+
+    def _create(self, state: dict | None) -> None:
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        m = state["exp_avg"].float() if state else torch.zeros_like(flat)
+        v = state["exp_avg_sq"].float() if state else torch.zeros_like(flat)
+        steps = torch.zeros(len(self.sizes), dtype=torch.int64)
+        if state:  # another --num-chunks than the checkpoint's: chunks differ by a step at most
+            old = state["step"]
+            steps[:] = old if len(old) == len(steps) else int(old.float().mean().round())
+        try:
+            for path, p_c, m_c, v_c in zip(self.paths, flat.split(self.sizes),
+                                           m.split(self.sizes), v.split(self.sizes)):
+                with open(path, "xb") as f:  # x: never map someone else's files
+                    f.write(torch.stack([p_c, m_c, v_c]).numpy().tobytes())
+            with open(self.steps_path, "xb") as f:
+                f.write(steps.numpy().tobytes())
+        except BaseException:
+            self.unlink()
+            raise
+
+    def unlink(self) -> None:
+        """Remove the names once every process has attached (their mappings and locks remain)."""
+        for p in (*self.paths, self.steps_path):
+            p.unlink(missing_ok=True)
+
+    def _try_lock(self, c: int) -> bool:
+        try:
+            fcntl.flock(self.fds[c], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        """Apply Adam to the central copy with `params`' gradients; returns seconds spent waiting
+        for chunks that other processes held."""
+        grad = torch.cat([p.grad.reshape(-1) for p in self.params]).float().cpu()
+        grads = grad.split(self.sizes)
+        pending, waited, self.last_order = list(range(len(self.sizes))), 0.0, []
+        while pending:
+            c = next((c for c in pending if self._try_lock(c)), None)  # whichever is free first
+            if c is None:  # all the rest are busy: queue on the first instead of spinning
+                c, t0 = pending[0], time.perf_counter()
+                fcntl.flock(self.fds[c], fcntl.LOCK_EX)
+                waited += time.perf_counter() - t0
+            try:
+                self.last_order.append((c, self._adam(c, grads[c], lr)))
+            finally:
+                fcntl.flock(self.fds[c], fcntl.LOCK_UN)
+            pending.remove(c)
+        return waited
+
+    def _adam(self, c: int, g: torch.Tensor, lr: float) -> int:
+        """torch.optim.Adam's update (no weight decay, no amsgrad) on chunk c, under its lock."""
+        p, m, v = self.chunks[c]
+        t = int(self.steps[c]) + 1
+        self.steps[c] = t
+        b1, b2 = self.betas
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+        return t
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Copy the central parameters into `params`. Without locks: a chunk being written may be
+        read half old, half new, which asynchronous SGD tolerates (Hogwild), and readers never
+        delay writers."""
+        flat = torch.cat([ch[0] for ch in self.chunks])
+        for p, src in zip(self.params, flat.split([p.numel() for p in self.params])):
+            p.copy_(src.view_as(p))
+
+    def state_dict(self) -> dict:
+        """Adam's statistics for a checkpoint (the parameters are the model's, after pull())."""
+        return {"exp_avg": torch.cat([ch[1] for ch in self.chunks]).clone(),
+                "exp_avg_sq": torch.cat([ch[2] for ch in self.chunks]).clone(),
+                "step": self.steps.clone()}
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
