@@ -1,0 +1,268 @@
+"""Replay memory for the DQN family: each 84x84 frame stored once, on the rank's device.
+
+Layout. Each environment column b of a rank has a circular buffer of single frames
+`frames[T, B, 84, 84]` plus small per-step fields (action, reward, a flags byte, the index of a
+truncated episode's final frame): 7,067 bytes per transition (+16 for the sum tree), where full
+4-frame stacks would take 28,224 (paper Sec. 4.2 stores frames once for the same reason). Stacks
+are rebuilt at sample time from the frames of rows t-3..t. The row after the newest complete one
+already holds the next observation's frame (`add` takes the sampler's next_obs), so the newest
+transitions can bootstrap from it and a saved buffer can close its cut-off episodes on resume.
+
+Episode starts. At each row we record what the environment put into the 3 older frames of its
+stack: real history (the previous rows: also after a life loss, where ALE's stack runs on), zeros
+(ALE after a reset) or copies of the newest frame (gymnasium's frame stacking, tests' Catch).
+Rebuilt stacks therefore equal the observations the agent acted on, bit for bit, and never show
+frames from before an episode start.
+
+n-step returns (`n_step`) are computed at sample time: R = sum_{k<m} gamma^k r(t+k), where m <= n
+stops at the first step that ends the episode; the discount on the bootstrap value is 0 after a
+termination, gamma^m otherwise. After a truncation (time limit) the bootstrap observation is the
+true last observation of the episode, whose newest frame is kept in a small side store.
+
+Sampling is uniform, or prioritized (Schaul et al. 2016, Sec. 3.3, proportional variant) from a
+sum tree whose updates and stratified descents are tensor operations over the whole batch.
+A transition t is sampleable once rows t..t+n are written, and until its 3 history rows are
+overwritten. The API is algorithm-agnostic: cat_dqn.py uses the same `sample` dictionary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TERM, TRUNC = 1, 2  # flags bits 0 and 1; bits 2-3: what the stack held before the newest frame
+HISTORY, ZEROS, REPEAT = 0, 1, 2
+
+
+class SumTree:
+    """Leaves hold priorities p^alpha; each inner node holds the sum of its two children."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.depth = max(1, (size - 1).bit_length())
+        self.leaves = 1 << self.depth
+        self.tree = torch.zeros(2 * self.leaves, dtype=torch.float64, device=device)  # fp64: sums of 1M
+
+    def set(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Set leaves idx [N] to values [N] and refresh their ancestors, one level per op.
+        Repeated indices are harmless: a parent is recomputed from its children, not added to."""
+        i = idx + self.leaves
+        self.tree[i] = values.to(torch.float64)
+        for _ in range(self.depth):
+            i = i // 2
+            self.tree[i] = self.tree[2 * i] + self.tree[2 * i + 1]
+
+    def total(self) -> torch.Tensor:
+        return self.tree[1]
+
+    def find(self, u: torch.Tensor) -> torch.Tensor:
+        """Leaf index for each prefix-sum target u [N] in [0, total). A child whose sum is 0 is
+        never entered, so rounding at the edges cannot select an empty (unsampleable) leaf."""
+        i = torch.ones_like(u, dtype=torch.long)
+        for _ in range(self.depth):
+            left, right = self.tree[2 * i], self.tree[2 * i + 1]
+            go_right = ((u >= left) & (right > 0)) | (left <= 0)
+            u = torch.where(go_right, u - left, u)
+            i = 2 * i + go_right.long()
+        return i - self.leaves
+
+
+class Replay:
+    """A rank's shard: `capacity` transitions over `num_envs` columns of `capacity // num_envs`."""
+
+    def __init__(self, capacity: int, num_envs: int, device: torch.device, n_step: int = 1,
+                 gamma: float = 0.99, prioritized: bool = False, alpha: float = 0.5,
+                 priority_eps: float = 1e-6):
+        T, B = capacity // num_envs, num_envs
+        if T < n_step + 5:
+            raise ValueError(f"replay shard of {capacity} transitions gives {T} per environment, "
+                             f"fewer than --n-step + 5 = {n_step + 5}")
+        self.T, self.B, self.device, self.n, self.gamma = T, B, device, n_step, gamma
+        self.frames = torch.zeros((T, B, 84, 84), dtype=torch.uint8, device=device)
+        self.actions = torch.zeros((T, B), dtype=torch.int16, device=device)
+        self.rewards = torch.zeros((T, B), dtype=torch.float32, device=device)
+        self.flags = torch.zeros((T, B), dtype=torch.uint8, device=device)
+        self.final_idx = torch.full((T, B), -1, dtype=torch.int32, device=device)
+        self.final_frames = torch.zeros((0, 84, 84), dtype=torch.uint8, device=device)
+        self.steps = 0  # complete rows ever added to each column
+        self.alpha, self.priority_eps = alpha, priority_eps
+        self.tree = SumTree(T * B, device) if prioritized else None
+        self.max_priority = torch.ones((), dtype=torch.float64, device=device)
+
+    # ---- bookkeeping ----
+    def _valid(self, steps: int | None = None) -> tuple[int, int]:
+        """Range [lo, hi] of sampleable step numbers (row = step % T) in every column."""
+        steps = self.steps if steps is None else steps
+        size = min(steps, self.T - 1)  # one row holds the pending next frame
+        history = 3 if steps > self.T - 1 else 0  # the oldest rows' history is overwritten
+        return steps - size + history, steps - self.n
+
+    def num_valid(self) -> int:
+        lo, hi = self._valid()
+        return max(0, hi - lo + 1) * self.B
+
+    def bytes_per_transition(self) -> float:
+        per_slot = sum(x.element_size() for x in (self.actions, self.rewards, self.flags,
+                                                   self.final_idx)) + 84 * 84
+        tree = self.tree.tree.numel() * 8 / (self.T * self.B) if self.tree is not None else 0.0
+        return per_slot + tree + self.final_frames.numel() / (self.T * self.B)
+
+    def _store_finals(self, rows: torch.Tensor, cols: torch.Tensor, frames: torch.Tensor) -> None:
+        """Keep truncated episodes' final frames [k, 84, 84] for slots (rows, cols), reusing
+        entries whose slot was overwritten and growing the store only when all are in use."""
+        live = torch.zeros(len(self.final_frames) + 1, dtype=torch.bool, device=self.device)
+        live[self.final_idx.flatten().long()] = True  # index -1 lands on the spare last entry
+        free = torch.nonzero(~live[:-1]).flatten()
+        if len(free) < len(frames):
+            grow = max(len(self.final_frames), len(frames) - len(free), 16)
+            self.final_frames = torch.cat([self.final_frames, torch.zeros(
+                (grow, 84, 84), dtype=torch.uint8, device=self.device)])
+            free = torch.cat([free, torch.arange(len(self.final_frames) - grow,
+                                                 len(self.final_frames), device=self.device)])
+        free = free[:len(frames)]
+        self.final_frames[free] = frames
+        self.final_idx[rows, cols] = free.int()
+
+    def _set_priority(self, steps_lo: int, steps_hi: int, value: torch.Tensor | float) -> None:
+        if self.tree is None or steps_hi < steps_lo:
+            return
+        rows = torch.arange(steps_lo, steps_hi + 1, device=self.device) % self.T
+        leaves = (rows[:, None] * self.B + torch.arange(self.B, device=self.device)).flatten()
+        self.tree.set(leaves, torch.as_tensor(value, device=self.device).expand(len(leaves)))
+
+    # ---- writing ----
+    @torch.no_grad()
+    def add(self, obs, actions, rewards, terminated, truncated, next_obs, final_obs=None) -> None:
+        """Append a [R, B] rollout: obs uint8 [R, B, 4, 84, 84], actions/rewards/terminated/
+        truncated [R, B], next_obs [B, 4, 84, 84] (the observation after the last step), and
+        final_obs [k, 4, 84, 84]: the true last observations of the k truncated steps, in
+        row-major order of truncated.nonzero() (the order the Sampler values them in)."""
+        R, dev = obs.shape[0], self.device
+        if R + self.n + 4 > self.T:
+            raise ValueError(f"a rollout of {R} steps does not fit a replay of {self.T} per env")
+        lo_old, hi_old = self._valid()
+        rows = (self.steps + torch.arange(R + 1, device=dev)) % self.T  # R steps + pending frame
+        stacks = torch.cat([obs.to(dev), next_obs.to(dev)[None]])  # [R + 1, B, 4, 84, 84]
+        newest = stacks[:, :, 3:]
+        older = stacks[:, :, :3]
+        kind = torch.where((older == 0).flatten(2).all(-1), ZEROS,
+                           torch.where((older == newest).flatten(2).all(-1), REPEAT, HISTORY))
+        done = terminated.to(dev).to(torch.uint8) * TERM + truncated.to(dev).to(torch.uint8) * TRUNC
+        done = torch.cat([done, torch.zeros_like(done[:1])])  # the pending row has no outcome yet
+        self.frames[rows] = newest[:, :, 0]
+        self.flags[rows] = done | (kind.to(torch.uint8) << 2)
+        self.actions[rows[:R]] = actions.to(dev).to(torch.int16)
+        self.rewards[rows[:R]] = rewards.to(dev).float()
+        self.final_idx[rows] = -1
+        if final_obs is not None and len(final_obs):
+            t, b = truncated.to(dev).nonzero(as_tuple=True)
+            self._store_finals(rows[t], b, final_obs.to(dev)[:, -1])
+        self.steps += R
+        lo, hi = self._valid()
+        # Priorities: 0 for overwritten and history-less rows, the running maximum for rows that
+        # just became sampleable (new transitions are replayed at least once, Schaul et al.).
+        self._set_priority(lo_old, lo - 1, 0.0)
+        self._set_priority(self.steps - R, self.steps, 0.0)
+        self._set_priority(max(hi_old + 1, lo), hi, self.max_priority ** self.alpha)
+
+    # ---- reading ----
+    def _stack(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Observation stacks uint8 [N, 4, 84, 84] ending at rows [N] of columns cols [N]."""
+        r = (rows[:, None] - torch.arange(3, -1, -1, device=self.device)) % self.T  # [N, 4]
+        x = self.frames[r, cols[:, None]]  # [N, 4, 84, 84], oldest first
+        kind = (self.flags[r[:, [3, 2, 1]], cols[:, None]] >> 2) & 3  # at rows t, t-1, t-2
+        start = kind != HISTORY
+        j = torch.where(start.any(1), start.int().argmax(1), 3)  # nearest episode start: row t-j
+        pad = torch.arange(4, device=self.device)[None] < (3 - j)[:, None]  # frames before it
+        first = x[torch.arange(len(rows), device=self.device), (3 - j).clamp(max=3)]
+        repeat = kind.gather(1, j.clamp(max=2)[:, None]).squeeze(1) == REPEAT
+        fill = first * repeat[:, None, None].to(torch.uint8)  # [N, 84, 84]: zeros or the copy
+        return torch.where(pad[:, :, None, None], fill[:, None], x)
+
+    @torch.no_grad()
+    def sample(self, batch_size: int, beta: float = 0.4) -> dict[str, torch.Tensor]:
+        """A batch of n-step transitions, all tensors on the replay's device:
+        obs, next_obs uint8 [N, 4, 84, 84]; actions long [N]; returns, discounts, weights float
+        [N]; indices long [N] (for update_priorities). weights are importance-sampling weights
+        (N_valid * P(i))^-beta / max over the batch (Schaul et al. 2016, Sec. 3.4), 1 if uniform.
+        """
+        lo, hi = self._valid()
+        if hi < lo:
+            raise RuntimeError("replay has no sampleable transition yet")
+        dev, N = self.device, batch_size
+        if self.tree is None:
+            step = torch.randint(lo, hi + 1, (N,), device=dev)
+            idx = (step % self.T) * self.B + torch.randint(self.B, (N,), device=dev)
+            weights = torch.ones(N, device=dev)
+        else:  # stratified: one target in each of N equal slices of the total priority
+            total = self.tree.total()
+            u = (torch.arange(N, device=dev) + torch.rand(N, device=dev, dtype=torch.float64))
+            idx = self.tree.find(u / N * total)
+            prob = self.tree.tree[idx + self.tree.leaves] / total
+            w = (self.num_valid() * prob) ** -beta
+            weights = (w / w.max()).float()
+        t, b = idx // self.B, idx % self.B
+
+        k = torch.arange(self.n, device=dev)
+        rows = (t[:, None] + k) % self.T  # [N, n]
+        flags = self.flags[rows, b[:, None]]
+        done = (flags & (TERM | TRUNC)) != 0
+        live = (done.cumsum(1) - done.int()) == 0  # no episode end strictly before step k
+        returns = (self.rewards[rows, b[:, None]] * self.gamma ** k * live).sum(1)
+        ended = done.any(1)
+        m = torch.where(ended, done.int().argmax(1), self.n)  # steps summed - 1, or n
+        end_flags = flags.gather(1, m.clamp(max=self.n - 1)[:, None]).squeeze(1)
+        terminal = ended & ((end_flags & TERM) != 0)
+        truncated = ended & ~terminal
+        discounts = torch.where(terminal, 0.0, self.gamma ** (m + ended.long()).double()).float()
+        boot = (t + m) % self.T  # row t+n, or the row where the episode ended
+        next_obs = self._stack(boot, b)
+        if truncated.any():  # rare: the true last observation is [rows u-2..u, final frame]
+            fi = self.final_idx[boot[truncated], b[truncated]].long()
+            next_obs[truncated] = torch.cat([next_obs[truncated, 1:],
+                                             self.final_frames[fi][:, None]], 1)
+        return {"obs": self._stack(t, b), "actions": self.actions[t, b].long(),
+                "returns": returns, "discounts": discounts, "next_obs": next_obs,
+                "indices": idx, "weights": weights}
+
+    @torch.no_grad()
+    def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
+        """Set sampled transitions' priorities (e.g. |TD error|), raised by priority_eps so none
+        reaches 0, and stored to the power alpha. No-op for uniform replay."""
+        if self.tree is None:
+            return
+        p = priorities.detach().to(self.device, torch.float64).abs() + self.priority_eps
+        self.max_priority = torch.maximum(self.max_priority, p.max())
+        self.tree.set(indices.to(self.device), p ** self.alpha)
+
+    # ---- checkpoints ----
+    def state_dict(self) -> dict:
+        state = {"frames": self.frames, "actions": self.actions, "rewards": self.rewards,
+                 "flags": self.flags, "final_idx": self.final_idx,
+                 "final_frames": self.final_frames, "steps": self.steps,
+                 "max_priority": self.max_priority}
+        if self.tree is not None:
+            state["tree"] = self.tree.tree
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a shard. The environments restart after a resume, so each column's newest
+        episode is closed as a truncation whose final frame is the saved pending frame: its
+        transitions bootstrap from where the game really was, never from the next game."""
+        if tuple(state["frames"].shape) != tuple(self.frames.shape) or \
+                ("tree" in state) != (self.tree is not None):
+            raise ValueError(f"saved replay shard {tuple(state['frames'].shape)[:2]} "
+                             f"(prioritized: {'tree' in state}) does not fit this run's "
+                             f"{(self.T, self.B)} (prioritized: {self.tree is not None})")
+        for name in ("frames", "actions", "rewards", "flags", "final_idx"):
+            getattr(self, name).copy_(state[name])
+        self.final_frames = state["final_frames"].to(self.device)
+        self.steps = int(state["steps"])
+        self.max_priority = state["max_priority"].to(self.device, torch.float64)
+        if self.tree is not None:
+            self.tree.tree.copy_(state["tree"])
+        if self.steps:
+            row, pending = (self.steps - 1) % self.T, self.steps % self.T
+            open_ = torch.nonzero((self.flags[row] & (TERM | TRUNC)) == 0).flatten()
+            if len(open_):
+                self.flags[row, open_] |= TRUNC
+                rows = torch.full_like(open_, row)
+                self._store_finals(rows, open_, self.frames[pending, open_])
