@@ -196,8 +196,9 @@ def appo_update(agent: Agent, central: CentralAdam, batch: dict[str, torch.Tenso
     possibly some versions old: the ratio corrects for that and clipping bounds it.
     """
     adv = batch["advantages"]
-    if args.norm_adv:  # this rank's statistics: a global mean would make ranks wait for each other
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    if args.norm_adv:  # this rank's statistics: global ones would make ranks wait for each other
+        mean, sq = adv.mean(), (adv * adv).mean()
+        adv = (adv - mean) / (torch.sqrt(torch.clamp(sq - mean ** 2, min=0.0)) + 1e-8)
     n = adv.shape[0]
     mb_size = n // args.num_minibatches
     sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
@@ -393,8 +394,7 @@ def main() -> None:
                 break
     except SamplerDied as e:
         print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
-        sampler.close()
-        os._exit(1)  # the other ranks' next collective fails, and torchrun stops them all
+        sys.exit(1)  # the other ranks' next collective fails, and torchrun stops them all
     finally:
         sampler.close()
 

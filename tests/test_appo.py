@@ -1,0 +1,290 @@
+"""appo_async.py: central chunked-lock Adam, PPO's update, learning, torchrun with resume, faults."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from common.central_adam import CentralAdam
+from tests.conftest import (ROOT, assert_stopped_with_checkpoint, expect_error, load_algo,
+                            read_summary, run_script, scalar_tags, start_training)
+
+SIZES = (300_000, 1000, 200_001)  # three tensors; 3 chunks cut across them
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g).requires_grad_() for n in SIZES]
+
+
+def _grad(rank, k):
+    g = torch.Generator().manual_seed(1000 * rank + k)
+    return [torch.randn(n, generator=g) for n in SIZES]
+
+
+def _worker(rank, name, steps, out):
+    torch.set_num_threads(1)
+    params = _params()
+    central = CentralAdam(params, 3, eps=1e-5, name=name)
+    orders = []
+    for k in range(steps):
+        for p, g in zip(params, _grad(rank, k)):
+            p.grad = g
+        central.step(lr=1e-2 * (1 + k % 3))
+        orders.append(central.last_order)
+        central.pull()
+    out.put((rank, orders))
+    central.close()
+
+
+def test_central_adam_from_two_processes_loses_no_update():
+    """Each chunk's final state equals torch's Adam applying, one after the other, the gradients
+    that chunk received, in the order it received them; every gradient reached every chunk."""
+    params = _params()
+    central = CentralAdam(params, 3, eps=1e-5)
+    try:
+        ctx, steps = mp.get_context("spawn"), 12
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, central.name, steps, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        central.unlink()
+    assert central.steps.tolist() == [2 * steps] * 3  # no lost update
+    flat0 = torch.cat([p.detach() for p in _params()])
+    grads = {(r, k): torch.cat(_grad(r, k)) for r in (0, 1) for k in range(steps)}
+    bounds = torch.tensor([0, *central.sizes]).cumsum(0).tolist()
+    for c in range(3):
+        # the (rank, k) that took this chunk's t-th step: a permutation of all 2 x steps
+        taken = sorted((t, r, k) for r in (0, 1) for k, order in enumerate(results[r])
+                       for cc, t in order if cc == c)
+        assert [t for t, _, _ in taken] == list(range(1, 2 * steps + 1))
+        lo, hi = bounds[c], bounds[c + 1]
+        ref = flat0[lo:hi].clone().requires_grad_()
+        opt = torch.optim.Adam([ref], lr=1e-2, eps=1e-5, foreach=False)
+        for _, r, k in taken:
+            opt.param_groups[0]["lr"] = 1e-2 * (1 + k % 3)
+            ref.grad = grads[r, k][lo:hi]
+            opt.step()
+        torch.testing.assert_close(central.chunks[c][0], ref.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(central.chunks[c][1], opt.state[ref]["exp_avg"], rtol=0, atol=0)
+    # whichever chunk is free first: with chunk 0 held elsewhere, a step takes 1 and 2 first
+    assert not any(p.exists() for p in central.paths)  # unlinked: nothing left in /dev/shm
+    c2 = CentralAdam(_params(), 3)
+    try:
+        import fcntl
+        holder = os.open(c2.paths[0], os.O_RDWR)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        for p in c2.params:
+            p.grad = torch.ones_like(p)
+        worker = threading.Thread(target=c2.step, args=(1e-3,))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while c2.steps[1:].tolist() != [1, 1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c2.steps.tolist() == [0, 1, 1]  # chunk 0 still waits for its lock
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        worker.join(timeout=60)
+        assert [c for c, _ in c2.last_order] == [1, 2, 0] and c2.steps.tolist() == [1, 1, 1]
+        os.close(holder)
+    finally:
+        c2.unlink()
+
+
+def test_gae_and_update_equal_ppo():
+    """APPO's loss is PPO's: with one rank and one chunk, an update on a rollout gives PPO's
+    parameters (torch's Adam there, the central Adam here), and GAE is the same function."""
+    ppo, appo = load_algo("ppo_multigpu"), load_algo("appo_async")
+    g = torch.Generator().manual_seed(0)
+    T, B = 9, 5
+    r = torch.randn(T, B, generator=g)
+    v = torch.randn(T, B, generator=g)
+    term = torch.rand(T, B, generator=g) < 0.2
+    trunc = (torch.rand(T, B, generator=g) < 0.1) & ~term
+    fv, nv = torch.randn(T, B, generator=g) * trunc, torch.randn(B, generator=g)
+    assert torch.equal(appo.gae(r, v, term, trunc, fv, nv, 0.99, 0.95),
+                       ppo.gae(r, v, term, trunc, fv, nv, 0.99, 0.95))
+    n = 32
+    batch = {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+             "actions": torch.randint(0, 6, (n,), generator=g),
+             "logprob": -torch.rand(n, generator=g) * 2, "value": torch.randn(n, generator=g),
+             "advantages": torch.randn(n, generator=g) * 3 + 1, "returns": torch.randn(n, generator=g)}
+    out = []
+    for update in ("ppo", "appo"):
+        torch.manual_seed(123)
+        agent = ppo.Agent(6)
+        args = ppo.Args(update_epochs=2, num_minibatches=2)
+        if update == "ppo":
+            ppo.ppo_update(agent, torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5), batch,
+                           args)
+        else:
+            central = CentralAdam(agent.parameters(), 1, eps=1e-5)
+            central.unlink()
+            stats, _ = appo.appo_update(agent, central, batch, appo.Args(update_epochs=2,
+                                                                         num_minibatches=2), 1e-3)
+            assert set(stats) >= {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"}
+        out.append(torch.nn.utils.parameters_to_vector(agent.parameters()).detach())
+    torch.manual_seed(123)
+    init = torch.nn.utils.parameters_to_vector(ppo.Agent(6).parameters()).detach()
+    assert (out[0] - init).abs().max() > 1e-4
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+
+
+def test_appo_learns_catch(tmp_path):
+    """A random policy scores about -0.7 on Catch (its mean over 100 games stays below -0.3);
+    APPO, sampling while it learns, catches most balls within 10k steps (PPO's test: 16k)."""
+    run = tmp_path / "run"
+    run_script("appo_async", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
+               "--total-timesteps", "10240", "--num-steps", "32", "--num-minibatches", "8",
+               "--learning-rate", "1e-3", "--run-dir", str(run), timeout=400)
+    s = read_summary(run)
+    assert s["episodes"] > 1600
+    assert s["mean_return_last100"] > 0.6
+    assert 0 <= s["policy_lag_mean"] <= s["policy_lag_max"] <= 4 and s["dropped_rollouts"] == 0
+
+
+def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
+    run = tmp_path / "run"
+    common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
+              "--num-minibatches", "2", "--update-epochs", "1", "--run-dir", str(run)]
+    run_script("appo_async", *common, "--total-timesteps", "256", nproc=2)
+    s = read_summary(run)
+    assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
+    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "sampler_wait",
+                                       "learner_wait"}
+    assert s["phase_seconds"]["env"] > 0 and s["phase_seconds"]["learner_wait"] > 0
+    ckpt = torch.load(run / "checkpoints" / "step_256.pt", weights_only=True)
+    # 2 iterations x 2 ranks x 1 epoch x 2 minibatches: every chunk took every central step
+    assert ckpt["optimizer"]["step"].tolist() == [8, 8, 8] and len(ckpt["rng"]) == 2
+    assert ckpt["lag"][2] == 4  # rollouts trained on, over both ranks
+
+    # resume: the central Adam state, counters and flags continue; lag 0 forces fresh rollouts
+    run_script("appo_async", "--resume", str(run), "--total-timesteps", "512",
+               "--max-policy-lag", "0", nproc=2)
+    s = read_summary(run)
+    assert s["global_step"] == 512 and s["args"]["num_envs"] == 2  # flags came from the run
+    ckpt = torch.load(run / "checkpoints" / "step_512.pt", weights_only=True)
+    assert ckpt["optimizer"]["step"].tolist() == [16, 16, 16] and ckpt["lag"][2] == 8
+    assert s["dropped_rollouts"] == ckpt["lag"][3]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    lag_max = {}
+    for f in run.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if "charts/policy_lag_max" in acc.Tags()["scalars"]:
+            lag_max.update({e.step: e.value for e in acc.Scalars("charts/policy_lag_max")})
+    assert sorted(lag_max) == [128, 256, 384, 512]
+    assert lag_max[384] == lag_max[512] == 0  # nothing staler than --max-policy-lag was used
+    tags = scalar_tags(run)
+    for tag in ("charts/SPS", "charts/policy_lag_mean", "charts/policy_lag_max",
+                "charts/dropped_rollouts", "losses/policy_loss", "losses/value_loss",
+                "losses/entropy", "losses/approx_kl", "losses/clipfrac", "time/env",
+                "time/inference", "time/learn", "time/comm", "time/sampler_wait",
+                "time/learner_wait"):
+        assert tag in tags
+    assert not list(__import__("pathlib").Path("/dev/shm").glob("accelrl-*"))
+
+
+def _family(root: int) -> dict[int, str]:
+    """root's living descendants (pid -> command line), from /proc (zombies count as gone)."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                procs[int(d)] = (int(fields[1]), cmd)
+    family, grew = {root}, True
+    while grew:
+        new = {p for p, (pp, _) in procs.items() if pp in family} - family
+        family |= new
+        grew = bool(new)
+    return {p: procs[p][1] for p in family - {root} if p in procs}
+
+
+def _left(family: dict[int, str]) -> list[str]:
+    """The processes of `family` still alive after up to 30 s: orphans (multiprocessing's
+    resource tracker, a sampler killed by PDEATHSIG) are reaped asynchronously."""
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [family[p] for p in family if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-steps", "16",
+            "--num-minibatches", "1", "--update-epochs", "1", "--total-timesteps", "10000000")
+
+
+def test_killed_sampler_ends_the_whole_run(tmp_path):
+    """SIGKILL one rank's sampler under torchrun: the run ends, non-zero, saying what died, and
+    no process it started (ranks, samplers, trackers) is left."""
+    proc, head = start_training("appo_async", *LONG_RUN, "--run-dir", str(tmp_path / "run"),
+                                nproc=2)
+    try:
+        family = _family(proc.pid)
+        samplers = [p for p, cmd in family.items() if "spawn_main" in cmd]
+        assert len(samplers) == 2, family  # one per rank
+        os.kill(samplers[1], signal.SIGKILL)
+        out = head + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, out
+    assert f"sampler process (pid {samplers[1]}) was killed by SIGKILL; ending the run" in out, out
+    assert not _left(family)
+    assert not list(__import__("pathlib").Path("/dev/shm").glob("accelrl-*"))
+
+
+def test_sigint_checkpoints_and_leaves_no_process(tmp_path):
+    proc, head = start_training("appo_async", *LONG_RUN, "--run-dir", str(tmp_path / "run"))
+    family = _family(proc.pid)
+    assert any("spawn_main" in cmd for cmd in family.values())
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    out = head + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert_stopped_with_checkpoint(tmp_path / "run", out)
+    assert not _left(family)
+
+
+def test_bad_inputs_give_one_clear_line(tmp_path):
+    run = str(tmp_path / "new")
+    assert "--num-buffers must be at least 2" in expect_error(
+        "appo_async", "--num-buffers", "1", "--run-dir", run)
+    assert "--num-chunks must be positive" in expect_error(
+        "appo_async", "--num-chunks", "0", "--run-dir", run)
+    assert not (tmp_path / "new").exists()
+    # two "machines" of one rank each: both refuse, naming the multi-node script
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "algos" / "appo_async.py"), "--no-cuda", "--run-dir", run],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+             "LOCAL_WORLD_SIZE": "1"}) for r in (0, 1)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "for several machines use ppo_multigpu.py" in errs[0].strip().splitlines()[-1]
