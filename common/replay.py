@@ -167,15 +167,16 @@ class Replay:
     def _stack(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Observation stacks uint8 [N, 4, 84, 84] ending at rows [N] of columns cols [N]."""
         r = (rows[:, None] - torch.arange(3, -1, -1, device=self.device)) % self.T  # [N, 4]
-        x = self.frames[r, cols[:, None]]  # [N, 4, 84, 84], oldest first
         kind = (self.flags[r[:, [3, 2, 1]], cols[:, None]] >> 2) & 3  # at rows t, t-1, t-2
         start = kind != HISTORY
         j = torch.where(start.any(1), start.int().argmax(1), 3)  # nearest episode start: row t-j
         pad = torch.arange(4, device=self.device)[None] < (3 - j)[:, None]  # frames before it
-        first = x[torch.arange(len(rows), device=self.device), (3 - j).clamp(max=3)]
-        repeat = kind.gather(1, j.clamp(max=2)[:, None]).squeeze(1) == REPEAT
-        fill = first * repeat[:, None, None].to(torch.uint8)  # [N, 84, 84]: zeros or the copy
-        return torch.where(pad[:, :, None, None], fill[:, None], x)
+        # Padded positions read the episode's first frame (row t-j), then zeros are masked in:
+        # one index_select over flat frames (7x faster than 2-D advanced indexing on a CPU).
+        src = torch.where(pad, ((rows - j) % self.T)[:, None], r) * self.B + cols[:, None]
+        x = self.frames.view(-1, 84, 84).index_select(0, src.flatten()).view(len(rows), 4, 84, 84)
+        zero = pad & (kind.gather(1, j.clamp(max=2)[:, None]) == ZEROS)  # [N, 4]
+        return x.mul_((~zero)[:, :, None, None].to(torch.uint8))
 
     @torch.no_grad()
     def sample(self, batch_size: int, beta: float = 0.4) -> dict[str, torch.Tensor]:
