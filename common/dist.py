@@ -8,10 +8,18 @@ We do this by hand instead of wrapping the model in DistributedDataParallel beca
   backward and communication buys little, while one flat buffer costs a single collective;
 - the same two calls serve every script (policy gradient and Q-learning) with no wrapper around
   the model, so sampling-time inference and target networks use the plain module.
+
+A rank that dies or hangs must not hang the others: every collective runs under the process
+group's timeout (`--collective-timeout`), and a collective that fails (a peer's connection closed,
+or no progress within the timeout) ends this rank at once with one line and exit code 1, so
+torchrun sees a failed worker and stops or restarts the whole group (`--max-restarts`). NCCL's
+own watchdog does the same on GPUs.
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
 import sys
 import time
@@ -33,11 +41,13 @@ class World:
         return self.rank == 0
 
 
-def setup(cuda: bool) -> World:
+def setup(cuda: bool, timeout: float = 600.0) -> World:
     """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE, pick the device and join the group.
 
     Nothing assumes one machine: torchrun's rendezvous supplies MASTER_ADDR and MASTER_PORT.
+    `timeout`: seconds a collective waits for the other ranks before it fails.
     """
+    global _timeout
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -49,9 +59,35 @@ def setup(cuda: bool) -> World:
         device = torch.device("cpu")
     if "RANK" in os.environ and not dist.is_initialized():
         kwargs = {"device_id": device} if use_cuda else {}
+        _timeout = timeout
+        # torchrun's store outlives a restarted worker group, and gloo would read the dead
+        # group's addresses from it ("connectFullMesh failed"): each attempt gets its own keys.
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                **kwargs)
+                                store=dist.PrefixStore(f"accelrl/attempt_{attempt}", store),
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
     return World(rank, local_rank, world_size, device)
+
+
+_timeout = 600.0
+
+
+def _guarded(collective):
+    """End this rank with one line when a collective fails, instead of a traceback or a hang."""
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        try:
+            return collective(*args, **kwargs)
+        except RuntimeError as e:  # torch.distributed.DistError and gloo's errors are these
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
+            print(f"error: rank {os.environ.get('RANK', 0)}: {collective.__name__} failed: "
+                  f"{first}. Another rank died or made no progress for {_timeout:g} s "
+                  "(--collective-timeout); ending this rank so torchrun can stop or restart the "
+                  "group", file=sys.stderr, flush=True)
+            os._exit(1)  # no clean-up: destroying a broken group can hang
+    return run
 
 
 def active() -> bool:
@@ -71,6 +107,7 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+@_guarded
 def agree(error: str | None) -> str | None:
     """Share rank 0's verdict (an error message or None) so all ranks stop or go on together."""
     if not active():
@@ -80,6 +117,7 @@ def agree(error: str | None) -> str | None:
     return box[0]
 
 
+@_guarded
 def broadcast_object(obj, world: World):
     """Rank 0's object on every rank (checkpoints: other nodes may not see rank 0's disk)."""
     if not active():
@@ -89,6 +127,7 @@ def broadcast_object(obj, world: World):
     return box[0]
 
 
+@_guarded
 def broadcast_params(model: torch.nn.Module) -> None:
     """Start every rank from rank 0's parameters."""
     if active():
@@ -96,6 +135,7 @@ def broadcast_params(model: torch.nn.Module) -> None:
             dist.broadcast(p, src=0)
 
 
+@_guarded
 def all_reduce_grads(model: torch.nn.Module) -> float:
     """Average gradients over ranks in one flat buffer; returns the seconds spent communicating."""
     if not active():
@@ -115,6 +155,7 @@ def all_reduce_grads(model: torch.nn.Module) -> float:
     return seconds
 
 
+@_guarded
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     """Element-wise mean of a small tensor over ranks (statistics, stop flags)."""
     if active():
@@ -124,6 +165,7 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+@_guarded
 def all_gather(obj) -> list:
     """Every rank's object, in rank order (episode statistics for logging)."""
     if not active():
