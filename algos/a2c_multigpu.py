@@ -43,7 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
+# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
+# threads need: on a 2-core CPU that cut the sampler to 0.4x the emulators' speed (README).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
@@ -74,7 +77,14 @@ class Args:
     checkpoint_interval: int = 0
     """global steps between checkpoints; 0 means only at the end"""
     resume: str | None = None
-    """checkpoint file or run directory to continue, up to the same --total-timesteps"""
+    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
+    --run-dir's newest checkpoint if it has one, else start the run there"""
+    keep_checkpoints: int = 3
+    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
+    keeps all"""
+    collective_timeout: float = 600.0
+    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
+    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
     episodic_life: bool = True
     """end the learner's episode at each life loss, the game going on (paper: on)"""
     sticky_actions: bool = False
@@ -226,15 +236,14 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
 
 
 def main() -> None:
-    args = cli.parse_args(Args)
+    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
     batch_per_rank = args.num_envs * args.num_steps
     if args.learning_rate <= 0:
         dist.fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if not 0.0 <= args.gae_lambda <= 1.0:
         dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
 
-    # ---- set-up: process group, environments, run directory, model, optimizer, resume ----
-    world = dist.setup(args.cuda)
+    # ---- set-up: environments, run directory, model, optimizer, resume ----
     device = world.device
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
@@ -251,36 +260,37 @@ def main() -> None:
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step, iteration = checkpoint.restore(state, agent, optimizer, world)  # or 0, 0
+    global_step = checkpoint.restore(state, world, model=agent, optimizer=optimizer)  # or 0
     dist.broadcast_params(agent)
 
     global_batch = batch_per_rank * world.world_size
-    num_iterations = math.ceil(args.total_timesteps / global_batch)  # the annealing horizon
     # An iteration is only 80 steps per rank: logging (an all-gather and TensorBoard writes) and
     # the stop check (an all-reduce) run every log_every iterations, about 2048 steps per rank.
-    # It depends on the iteration count alone, so all ranks reach these collectives together.
+    # It depends on this launch's iteration count alone, so all ranks reach them together.
     log_every = max(1, 2048 // batch_per_rank)
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
-    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=iteration))
-    logger = Logger(run_dir, world, args, start_step=global_step)
+    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
+    logger = Logger(run_dir, world, args, state)
     stop = checkpoint.StopRequest()
 
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
         return Categorical(logits=agent(obs)[0]).sample(), {}
 
     def save():
-        return checkpoint.save(run_dir, {"model": agent.state_dict(),
-                                         "optimizer": optimizer.state_dict(),
-                                         "iteration": iteration, "env_id": args.env_id,
-                                         "script": "a2c_multigpu"},
-                               global_step, world)
+        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
+                               {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                                "logger": logger.state(), "env_id": args.env_id,
+                                "script": "a2c_multigpu"})
 
     saved_at = global_step
     stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
+    iteration = 0
     while global_step < args.total_timesteps:
         iteration += 1
-        lr = base_lr * (max(0.0, 1.0 - (iteration - 1) / num_iterations)
+        # The schedule follows the global step, so a resume with other ranks or batches goes on
+        # where it stopped.
+        lr = base_lr * (max(0.0, 1.0 - global_step / args.total_timesteps)
                         if args.anneal_lr else 1.0)
         optimizer.param_groups[0]["lr"] = lr
 

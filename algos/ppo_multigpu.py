@@ -56,7 +56,14 @@ class Args:
     checkpoint_interval: int = 0
     """global steps between checkpoints; 0 means only at the end"""
     resume: str | None = None
-    """checkpoint file or run directory to continue, up to the same --total-timesteps"""
+    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
+    --run-dir's newest checkpoint if it has one, else start the run there"""
+    keep_checkpoints: int = 3
+    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
+    keeps all"""
+    collective_timeout: float = 600.0
+    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
+    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
     episodic_life: bool = True
     """end the learner's episode at each life loss, the game going on (paper: on)"""
     sticky_actions: bool = False
@@ -208,7 +215,7 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
 
 
 def main() -> None:
-    args = cli.parse_args(Args)
+    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
     batch_per_rank = args.num_envs * args.num_steps
     for name in ("num_minibatches", "update_epochs"):
         if getattr(args, name) <= 0:
@@ -217,8 +224,7 @@ def main() -> None:
         dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
                   f"by --num-minibatches {args.num_minibatches}")
 
-    # ---- set-up: process group, environments, run directory, model, optimizer, resume ----
-    world = dist.setup(args.cuda)
+    # ---- set-up: environments, run directory, model, optimizer, resume ----
     device = world.device
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
@@ -233,28 +239,27 @@ def main() -> None:
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step, iteration = checkpoint.restore(state, agent, optimizer, world)  # or 0, 0
+    global_step = checkpoint.restore(state, world, model=agent, optimizer=optimizer)  # or 0
     dist.broadcast_params(agent)
 
     global_batch = batch_per_rank * world.world_size
-    num_iterations = math.ceil(args.total_timesteps / global_batch)  # the annealing horizon
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
                       clip_rewards=args.clip_rewards)
-    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=iteration))
-    logger = Logger(run_dir, world, args, start_step=global_step)
+    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
+    logger = Logger(run_dir, world, args, state)
     stop = checkpoint.StopRequest()
 
     def save():
-        return checkpoint.save(run_dir, {"model": agent.state_dict(),
-                                         "optimizer": optimizer.state_dict(),
-                                         "iteration": iteration, "env_id": args.env_id,
-                                         "script": "ppo_multigpu"},
-                               global_step, world)
+        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
+                               {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                                "logger": logger.state(), "env_id": args.env_id,
+                                "script": "ppo_multigpu"})
 
     saved_at = global_step
     while global_step < args.total_timesteps:
-        iteration += 1
-        lr = args.learning_rate * (max(0.0, 1.0 - (iteration - 1) / num_iterations)
+        # The schedule follows the global step, so a resume with other ranks or batches goes on
+        # where it stopped.
+        lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
                                    if args.anneal_lr else 1.0)
         optimizer.param_groups[0]["lr"] = lr
 

@@ -1,16 +1,29 @@
-"""Run directories, atomic checkpoints, exact resume, and clean stops on SIGTERM / SIGINT.
+"""Run directories, verified atomic checkpoints, exact resume, and clean stops on SIGTERM / SIGINT.
 
-A checkpoint holds whatever the script puts in its state dict (model, optimizer, step counters,
-schedules) plus every rank's RNG states. It is written to a temporary file and renamed, so a
-crash mid-write never leaves a corrupt newest checkpoint. Loading uses `weights_only=True`.
+A checkpoint holds whatever the script puts in its state dict (model, optimizer, counters, episode
+statistics) plus every rank's RNG states, in `checkpoints/step_<N>.pt`. Per-rank data (a replay
+shard) goes in `step_<N>.rank<R>.pt`, written by each rank to its own disk. Every file is written
+to a temporary name, fsynced, given a `.sha256` beside it and renamed, so a crash mid-write never
+leaves a half file under a checkpoint's name, and a file damaged later (truncated, bit-flipped,
+emptied) fails its checksum and is skipped in favour of the previous one. Only the newest
+`--keep-checkpoints` are kept, and older ones are deleted only after the new one is in place.
+
+Where the run goes (`locate`, on rank 0):
+- no `--resume`: a new run directory; an existing one is never overwritten.
+- `--resume FILE|DIR`: that checkpoint (or the run's newest good one); the run writes into the
+  directory it resumes unless `--run-dir` names a new one.
+- `--resume auto`: `--run-dir`'s newest good checkpoint if it has one, else a fresh start there.
+  A worker group that torchrun restarts (`--max-restarts`) behaves as `auto`, and finds the run
+  directory of its first attempt by torchrun's run id even when its name was the default.
 
 What a resume does not restore: the emulators' internal states (ale-py cannot save a vector env).
-A resumed run resets its environments with fresh seeds derived from `--seed` and the step count,
-so it is repeatable, but games in progress at the checkpoint are not finished.
+Environments restart with fresh seeds derived from `--seed` and the global step, so a resumed run
+is repeatable, but games in progress at the checkpoint are not finished.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,26 +40,114 @@ import torch
 from common import dist
 
 CKPT = re.compile(r"step_(\d+)\.pt")
+LAUNCH_ONLY = ("run_dir", "resume", "cuda", "collective_timeout")  # never taken from args.json
 
 
-def default_run_dir(env_id: str, script: str, seed: int) -> str:
+def default_run_dir(env_id: str, script: str, seed: int) -> Path:
     env = re.sub(r"[^A-Za-z0-9_.-]", "_", env_id)
-    return f"runs/{env}__{script}__{seed}__{int(time.time())}"
+    return Path(f"runs/{env}__{script}__{seed}__{int(time.time())}")
 
 
-def find_checkpoint(resume: str) -> Path:
-    """A checkpoint file, or the newest one in a run directory (or in its checkpoints/)."""
-    path = Path(resume)
-    if path.is_dir():
-        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = sorted(folder.glob("step_*.pt"), key=lambda p: int(CKPT.fullmatch(p.name).group(1))
-                       if CKPT.fullmatch(p.name) else -1)
-        if not found:
-            raise FileNotFoundError(f"no checkpoint (step_*.pt) in {folder}")
-        return found[-1]
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {resume}")
-    return path
+def run_of(ckpt: Path) -> Path:
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """Why the file cannot be trusted, or None when its checksum matches."""
+    digest = path.with_name(path.name + ".sha256")
+    if not path.is_file() or path.stat().st_size == 0:
+        return "empty or missing"
+    if digest.is_file():
+        return None if _sha256(path) == digest.read_text().strip() else "checksum mismatch"
+    try:  # written without a checksum (by hand, or an older accelrl): at least it must open
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return None
+    except Exception as e:
+        return f"unreadable ({type(e).__name__})"
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The step_<N>.pt files of a run (or checkpoints/ folder), oldest first."""
+    folder = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    return sorted((p for p in folder.glob("step_*.pt") if CKPT.fullmatch(p.name)),
+                  key=lambda p: int(CKPT.fullmatch(p.name).group(1)))
+
+
+def newest_good(folder: Path) -> Path | None:
+    """The newest checkpoint that passes its checksum (damaged newer ones are named and skipped),
+    or None when there is none at all."""
+    found = checkpoints(folder)
+    for path in reversed(found):
+        problem = verify(path)
+        if problem is None:
+            return path
+        print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
+    if found:
+        raise ValueError(f"cannot read checkpoint {found[-1]} nor any earlier one in {folder}")
+    return None
+
+
+def _elastic_run(env_id: str, script: str, seed: int) -> Path | None:
+    """The directory a previous attempt of this torchrun job created (it wrote the run id)."""
+    env = re.sub(r"[^A-Za-z0-9_.-]", "_", env_id)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    for d in sorted(Path("runs").glob(f"{env}__{script}__{seed}__*"), reverse=True):
+        if (d / "torchrun_id").is_file() and (d / "torchrun_id").read_text() == run_id:
+            return d
+    return None
+
+
+def locate(args, script: str) -> tuple[Path, Path | None]:
+    """Rank 0: (run directory, checkpoint to resume or None). Raises with a one-line message."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    resume = args.resume or ("auto" if restarted else None)
+    if args.resume == "auto" and not args.run_dir and not restarted:
+        raise ValueError("--resume auto needs --run-dir: the default directory name holds the "
+                         "start time, so a new launch cannot find the run to continue")
+    if resume == "auto":
+        run_dir = Path(args.run_dir) if args.run_dir else (
+            restarted and _elastic_run(args.env_id, script, args.seed)
+            or default_run_dir(args.env_id, script, args.seed))
+        return run_dir, newest_good(run_dir) if run_dir.is_dir() else None
+    if resume:
+        path = Path(resume)
+        if path.is_dir():
+            if not checkpoints(path):
+                raise FileNotFoundError(f"no checkpoint (step_*.pt) in {path}")
+            ckpt = newest_good(path)
+        elif path.is_file():
+            problem = verify(path)
+            if problem:
+                raise ValueError(f"cannot read checkpoint {path}: {problem}")
+            ckpt = path
+        else:
+            raise FileNotFoundError(f"checkpoint not found: {resume}")
+        run_dir = Path(args.run_dir) if args.run_dir else run_of(ckpt)
+        if run_dir.resolve() != run_of(ckpt).resolve() and run_dir.exists():
+            raise FileExistsError(f"run directory {run_dir} exists and is not the run of {ckpt}; "
+                                  "a resume writes into its own run or a new directory")
+        return run_dir, ckpt
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.env_id, script, args.seed)
+    if run_dir.exists():
+        raise FileExistsError(f"run directory {run_dir} exists; pass --resume {run_dir} (or "
+                              "--resume auto) to continue it, or choose another --run-dir")
+    return run_dir, None
+
+
+def saved_args(ckpt: Path | None) -> dict:
+    """The flags of the run a checkpoint belongs to (its args.json), less the launch-only ones."""
+    f = run_of(ckpt) / "args.json" if ckpt else None
+    if f is None or not f.is_file():
+        return {}
+    return {k: v for k, v in json.loads(f.read_text()).items() if k not in LAUNCH_ONLY}
 
 
 def load(path: Path) -> dict:
@@ -58,40 +159,36 @@ def load(path: Path) -> dict:
 
 
 def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None]:
-    """Choose the run directory, refuse to overwrite one, and load the checkpoint to resume.
+    """Create the run directory chosen by cli.parse_args and load the checkpoint to resume.
 
-    Rank 0 decides and every rank follows, so an error stops all ranks with one message.
-    Returns (run_dir, checkpoint state or None).
+    Rank 0 reads and every rank receives the state (other nodes may not see rank 0's disk), so
+    an error stops all ranks with one message. Returns (run_dir, checkpoint state or None).
     """
-    error, run_dir, state = None, None, None
+    error, state = None, None
+    run_dir = Path(args.run_dir)
     if world.is_main:
         try:
             if args.resume:
-                ckpt_path = find_checkpoint(args.resume)
-                state = load(ckpt_path)
-                run_dir = Path(args.run_dir) if args.run_dir else ckpt_path.parent.parent
+                state = load(Path(args.resume))
                 if state.get("script", script) != script:
-                    raise ValueError(f"checkpoint {ckpt_path} was written by {state['script']}, "
+                    raise ValueError(f"checkpoint {args.resume} was written by {state['script']}, "
                                      f"not {script}")
                 if state.get("env_id") != args.env_id:
-                    raise ValueError(f"checkpoint {ckpt_path} was trained on "
+                    raise ValueError(f"checkpoint {args.resume} was trained on "
                                      f"{state.get('env_id')!r}, not {args.env_id!r}")
-            else:
-                run_dir = Path(args.run_dir or default_run_dir(args.env_id, script, args.seed))
-                if run_dir.exists():
-                    raise FileExistsError(f"run directory {run_dir} exists; pass --resume "
-                                          f"{run_dir} to continue it, or choose another --run-dir")
+                state["resumed_from"] = args.resume
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            saved = {k: v for k, v in asdict(args).items()}
-            (run_dir / "args.json").write_text(json.dumps(saved, indent=2, default=str))
+            for leftover in (run_dir / "checkpoints").glob("*.tmp"):  # a save that was cut short
+                leftover.unlink()
+            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2, default=str))
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # lets a restarted group find this run
+                (run_dir / "torchrun_id").write_text(os.environ["TORCHELASTIC_RUN_ID"])
         except (OSError, ValueError) as e:
             error = str(e)
     error = dist.agree(error)
     if error:
         dist.fail(error)
-    run_dir = Path(dist.broadcast_object(str(run_dir), world))
-    state = dist.broadcast_object(state, world)
-    return run_dir, state
+    return run_dir, dist.broadcast_object(state, world)
 
 
 def rng_state() -> dict:
@@ -113,32 +210,114 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run_dir: Path, state: dict, global_step: int, world: dist.World) -> Path:
-    """Write `checkpoints/step_<global_step>.pt` atomically on rank 0, with every rank's RNGs.
-
-    Called by all ranks together (the RNG states are gathered)."""
-    rngs = dist.all_gather(rng_state())
-    path = run_dir / "checkpoints" / f"step_{global_step}.pt"
-    if world.is_main:
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save({**state, "global_step": global_step, "rng": rngs}, tmp)
+def _write(obj, path: Path) -> None:
+    """torch.save to a temporary file, fsync, checksum beside it, then rename into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = path.with_name(path.name + ".sha256")
+        digest.with_name(digest.name + ".tmp").write_text(_sha256(tmp))
+        os.replace(digest.with_name(digest.name + ".tmp"), digest)
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new, never half
+    except BaseException:
+        for leftover in (tmp, path.with_name(path.name + ".sha256.tmp")):
+            leftover.unlink(missing_ok=True)
+        raise
+
+
+def _prune(folder: Path, keep: int, mine: re.Pattern) -> None:
+    """Delete this writer's files of all but the newest `keep` steps (0 keeps everything)."""
+    steps = sorted({int(m.group(1)) for p in folder.iterdir() if (m := mine.fullmatch(p.name))})
+    for step in steps[:-keep] if keep else []:
+        for p in folder.iterdir():
+            m = mine.fullmatch(p.name)
+            if m and int(m.group(1)) == step:
+                p.unlink(missing_ok=True)
+                p.with_name(p.name + ".sha256").unlink(missing_ok=True)
+
+
+def save(run_dir: Path, world: dist.World, global_step: int, keep: int, state: dict,
+         rank_state: dict | None = None) -> Path:
+    """Write `checkpoints/step_<global_step>.pt` (rank 0) with every rank's RNG states, and each
+    rank's `rank_state` (if given) to `step_<global_step>.rank<R>.pt`. Called by all ranks.
+
+    A failed write (a full disk) ends the run on every rank with one line, leaving the previous
+    checkpoint intact; old checkpoints are pruned only after the new one is complete."""
+    folder = run_dir / "checkpoints"
+    path = folder / f"step_{global_step}.pt"
+    error = None
+    if rank_state is not None:
+        try:
+            _write(rank_state, folder / f"step_{global_step}.rank{world.rank}.pt")
+        except OSError as e:
+            error = f"rank {world.rank}: {e}"
+    gathered = dist.all_gather((rng_state(), error))  # also: every rank file is written here
+    errors = [e for _, e in gathered if e]
+    if world.is_main and not errors:
+        try:
+            _write({**state, "global_step": global_step, "rng": [r for r, _ in gathered]}, path)
+        except OSError as e:
+            errors.append(str(e))
+    message = dist.agree("; ".join(errors) or None)
+    if message:
+        previous = [p.name for p in checkpoints(folder) if p != path]
+        dist.fail(f"cannot write checkpoint {path}: {message}; "
+                  f"{'the previous checkpoint ' + previous[-1] + ' is intact' if previous else 'no earlier checkpoint exists'}",
+                  code=1)
+    if rank_state is not None:
+        _prune(folder, keep, re.compile(rf"step_(\d+)\.rank{world.rank}\.pt"))
+    if world.is_main:
+        _prune(folder, keep, CKPT)
     return path
 
 
-def restore(state: dict | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            world: dist.World) -> tuple[int, int]:
-    """Load model, optimizer and this rank's RNG states from a checkpoint made by a script's
-    save(); returns (global_step, iteration), or (0, 0) with no checkpoint."""
+def load_rank_state(run_dir: Path, global_step: int, world: dist.World) -> dict | None:
+    """This rank's own part of the checkpoint at `global_step`, or None (with a warning) when it
+    is missing, damaged, or was written by a run with another number of ranks."""
+    path = run_dir / "checkpoints" / f"step_{global_step}.rank{world.rank}.pt"
+    other = run_dir / "checkpoints" / f"step_{global_step}.rank{world.world_size}.pt"
+    problem = verify(path) or ("written by more ranks" if other.exists() else None)
+    if problem:
+        print(f"warning: rank {world.rank}: not using {path}: {problem}", file=sys.stderr,
+              flush=True)
+        return None
+    return load(path)
+
+
+def restore(state: dict | None, world: dist.World, **objects) -> int:
+    """`load_state_dict` for each keyword object (model=, optimizer=, target=...) from the entry
+    of the same name, and this rank's RNG states; returns the global step (0 with no checkpoint).
+
+    Optimizer hyperparameters (lr, eps, betas, alpha...) come from this launch's flags, not the
+    checkpoint's: only the optimizer's accumulated statistics are restored."""
     if state is None:
-        return 0, 0
+        return 0
     try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        for name, obj in objects.items():
+            launch = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
+            launch = [{k: v for k, v in g.items() if k != "params"} for g in launch]
+            obj.load_state_dict(state[name])
+            for group, flags in zip(obj.param_groups if launch else [], launch):
+                group.update(flags)
     except (KeyError, RuntimeError, ValueError) as e:
         dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
     restore_rng(state, world)
-    return state["global_step"], state["iteration"]
+    if world.is_main:  # the fingerprint ties a log to the weights it continued from
+        print(f"resumed from {state.get('resumed_from')} at step {state['global_step']:,} "
+              f"(model {fingerprint(objects['model'].state_dict())})", flush=True)
+    return state["global_step"]
+
+
+def fingerprint(state_dict: dict) -> str:
+    """A short hash of a model's tensors, to compare weights across logs and files."""
+    h = hashlib.sha256()
+    for k, v in state_dict.items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def restore_rng(state: dict, world: dist.World) -> None:

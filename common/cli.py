@@ -1,45 +1,64 @@
-"""Command line: tyro parsing, resume defaults, and the checks every script's shared flags need.
+"""Command line: tyro parsing, the run to start or continue, and the checks every script's shared
+flags need.
 
-Every problem a user can cause here ends in one line from rank 0 and exit code 2, before any
-process group, environment or run directory exists, so nothing can hang or be left behind.
+Every problem a user can cause here ends in one line from rank 0 and exit code 2 on every rank,
+before any environment or run directory exists, so nothing can hang or be left behind.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import fields
+import sys
 from pathlib import Path
 
 import tyro
 
-from common import dist, envs
+from common import checkpoint, dist, envs
 
 
 def parse_args(cls, argv: list[str] | None = None):
-    """Parse `cls` (a dataclass) with tyro and check the shared flags.
+    """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags.
 
-    With `--resume`, the run's saved flags (args.json) are the defaults and the command line
-    overrides them, so `--resume RUN_DIR` alone continues the run as it was launched.
+    Returns (args, world). Rank 0 chooses the run (`checkpoint.locate`) and, when it continues
+    one, reads that run's saved flags (args.json) and sends them to every rank (other nodes may
+    not see its disk): they become the defaults, and the command line overrides them, so
+    `--resume RUN_DIR` alone continues the run as it was launched. On return `args.run_dir` is
+    the run directory and `args.resume` the checkpoint file to load (or None).
     """
     args = tyro.cli(cls, args=argv)
-    if args.resume:
-        path = Path(args.resume)
-        saved = (path if path.is_dir() else path.parent.parent) / "args.json"
-        if saved.is_file():
-            known = {f.name for f in fields(cls)}
-            old = {k: v for k, v in json.loads(saved.read_text()).items() if k in known}
-            old["resume"] = args.resume
-            args = tyro.cli(cls, args=argv, default=cls(**old))
+    world = dist.setup(args.cuda, args.collective_timeout)
+    script = Path(sys.modules[cls.__module__].__file__).stem
+    found, error = None, None
+    if world.is_main:
+        try:
+            run_dir, ckpt = checkpoint.locate(args, script)
+            found = (str(run_dir), str(ckpt) if ckpt else None, checkpoint.saved_args(ckpt))
+        except (OSError, ValueError) as e:
+            error = str(e)
+    error = dist.agree(error)
+    if error:
+        dist.fail(error)
+    run_dir, ckpt, saved = dist.broadcast_object(found, world)
+    if saved:
+        known = set(cls.__dataclass_fields__)
+        args = tyro.cli(cls, args=argv, default=cls(**{**{k: v for k, v in saved.items()
+                                                          if k in known},
+                                                       "resume": args.resume}))
+    args.run_dir, args.resume = run_dir, ckpt
+
     for name in ("total_timesteps", "num_envs", "num_steps"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name, 1) <= 0:
             dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.checkpoint_interval < 0:
         dist.fail(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
-    if args.alternate and args.num_envs % 2:
+    if args.keep_checkpoints < 0:
+        dist.fail(f"--keep-checkpoints must be >= 0, got {args.keep_checkpoints}")
+    if args.collective_timeout <= 0:
+        dist.fail(f"--collective-timeout must be positive, got {args.collective_timeout}")
+    if getattr(args, "alternate", False) and args.num_envs % 2:
         dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
                   f"got {args.num_envs}")
     try:
         envs.ale_game(args.env_id)
     except envs.EnvError as e:
         dist.fail(str(e))
-    return args
+    return args, world

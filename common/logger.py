@@ -19,22 +19,35 @@ PHASES = ("env", "inference", "learn", "comm")
 
 
 class Logger:
-    def __init__(self, run_dir: Path, world: dist.World, args, start_step: int = 0):
+    """`state`: the checkpoint a run resumes from (or None). The episode statistics continue from
+    it, and TensorBoard hides any events an interrupted attempt wrote after its step."""
+
+    def __init__(self, run_dir: Path, world: dist.World, args, state: dict | None = None):
+        saved = (state or {}).get("logger", {})
+        start_step = state["global_step"] if state else 0
         self.world, self.args, self.run_dir = world, args, run_dir
         self.start_step, self.start_time = start_step, time.time()
         self.last_step, self.last_time = start_step, self.start_time
-        self.returns = collections.deque(maxlen=100)
-        self.episodes = 0
-        self.phase_total = dict.fromkeys(PHASES, 0.0)
+        self.returns = collections.deque(saved.get("returns", []), maxlen=100)
+        self.episodes = saved.get("episodes", 0)
+        self.restarts = saved.get("restarts", 0) + 1 if state else 0  # resumes of this run
+        self.phase_total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.tty = sys.stdout.isatty()
         self.writer = None
         if world.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(run_dir))
-            if start_step == 0:
+            # A resumed run hides what an interrupted attempt logged after its checkpoint.
+            self.writer = SummaryWriter(str(run_dir),
+                                        purge_step=start_step + 1 if state else None)
+            if state is None:
                 table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
                 self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that summary.json counts the episodes before a resume."""
+        return {"episodes": self.episodes, "returns": list(self.returns),
+                "restarts": self.restarts}
 
     def log(self, global_step: int, scalars: dict[str, float], episodes: list[tuple[float, int]],
             phases: dict[str, float]) -> None:
@@ -54,7 +67,7 @@ class Logger:
             w.add_scalar(k, v, global_step)
         for k, v in phases.items():
             w.add_scalar(f"time/{k}", v, global_step)
-            self.phase_total[k] += v
+            self.phase_total[k] = self.phase_total.get(k, 0.0) + v
         self.last_step, self.last_time = global_step, now
         self._progress(global_step, sps)
 
@@ -77,6 +90,7 @@ class Logger:
             "wall_seconds": wall,
             "sps": (global_step - self.start_step) / max(wall, 1e-9),
             "episodes": self.episodes,
+            "restarts": self.restarts,
             "mean_return_last100": (sum(self.returns) / len(self.returns)) if self.returns else None,
             "world_size": self.world.world_size,
             "device": str(self.world.device),

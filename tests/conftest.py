@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see algos/*.py
+# One torch thread in the test process, as in the ranks that run_two_ranks starts: equivalence
+# tests compare the two, and a different thread count changes float reduction orders (which
+# Adam's first step, g / |g|, magnifies for near-zero gradients).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -131,17 +131,17 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm"}
     assert s["phase_seconds"]["comm"] > 0 and s["phase_seconds"]["learn"] > 0
     assert list(run.glob("events.out.tfevents.*"))
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_200.pt",
-                                                                      "step_400.pt"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == ["step_200.pt",
+                                                                         "step_400.pt"]
     ckpt = torch.load(run / "checkpoints" / "step_400.pt", weights_only=True)
-    assert ckpt["iteration"] == 10 and len(ckpt["rng"]) == 2 and ckpt["env_id"] == "Pong-v5"
+    assert ckpt["global_step"] == 400 and len(ckpt["rng"]) == 2 and ckpt["env_id"] == "Pong-v5"
 
     # resume continues the same run up to a larger total, instead of starting over
     run_script("a2c_multigpu", "--resume", str(run), "--total-timesteps", "800", nproc=2)
     s = read_summary(run)
     assert s["global_step"] == 800 and s["args"]["alternate"]  # flags came from the run
     ckpt = torch.load(run / "checkpoints" / "step_800.pt", weights_only=True)
-    assert ckpt["iteration"] == 20
+    assert ckpt["global_step"] == 800
 
     tags = scalar_tags(run)
     for tag in ("charts/SPS", "charts/learning_rate", "losses/policy_loss", "losses/value_loss",
