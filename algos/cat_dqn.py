@@ -1,0 +1,534 @@
+"""Categorical DQN (C51) on Atari at batch 2048, synchronous and data-parallel over GPUs.
+
+Distributional Q-learning (Bellemare, Dabney & Munos 2017, "A Distributional Perspective on
+Reinforcement Learning", arXiv 1707.06887): the network gives, for every action, a probability
+distribution over --num-atoms fixed returns z_0..z_{K-1} spread evenly on [--v-min, --v-max]. The
+target distribution of r + gamma^n Z(s', a') is projected back onto those atoms (Algorithm 1)
+and the loss is the cross-entropy of the prediction against it. As run in "Accelerated Methods
+for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Sec. 4.2, Table 2:
+"CatDQN-2K", the paper's best median score, 2.9 human-normalised over 49 games): one process per
+GPU with batched epsilon-greedy inference over many emulators (Sec. 3.1), each rank with its own
+shard of the frame-deduplicated replay (common/replay.py), every update on gradients averaged
+over all ranks (Sec. 3.2). Options as in Rainbow (Hessel et al. 2018): --n-step returns,
+--double action choice, --dueling heads, --prioritized replay with the cross-entropy as priority.
+
+Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
+its shard and takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
+fraction (16 envs x 16 steps at batch 2048, ratio 8: one update an iteration on one rank).
+
+Presets (--preset; flags on the command line override them):
+  catdqn-2k   (default) the paper's CatDQN-2K: batch 2048 per rank, Adam epsilon 0.01/2048 (the
+              authors' code: 0.01/batch for C51), replay ratio 8 (Nature's batch 32 every 4
+              steps); everything else from the C51 paper. Learning rate 2.5e-4, C51's, not
+              scaled with the batch: as in dqn_multigpu.py, the authors' code keeps the batch-32
+              rate and divides Adam's epsilon by the batch instead; we could not find the
+              paper's CatDQN-2K rate, so this is our choice.
+  c51-nature  Bellemare et al. 2017's settings: batch 32, Adam lr 2.5e-4 with epsilon 0.01/32,
+              otherwise Nature DQN's (Mnih et al. 2015): target copied every 10,000 updates
+              (40,000 steps), learning starts at 50,000 steps, epsilon 1 -> 0.01 over 1M frames.
+Both: 51 atoms on [-10, 10] (C51), target every 40,000 steps, learning from step 50,000, linear
+epsilon 1 -> 0.01 over 250,000 steps (1M frames), evaluation epsilon 0.001 (C51, Sec. 5).
+Exploration (--eps-schedule linear|apex) and evaluation work exactly as in dqn_multigpu.py.
+
+Launch:
+    python algos/cat_dqn.py --env-id Breakout-v5                          # one process
+    python algos/cat_dqn.py --preset c51-nature                           # the 2017 settings
+    torchrun --standalone --nproc_per_node 8 algos/cat_dqn.py             # 8 GPUs, one machine
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 algos/cat_dqn.py                       # 2 machines
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
+# threads need (README, throughput on a 2-core CPU).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import tyro  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+from common import checkpoint, cli, dist, envs  # noqa: E402
+from common.logger import Logger  # noqa: E402
+from common.replay import Replay  # noqa: E402
+from common.sampler import Sampler  # noqa: E402
+
+
+@dataclass
+class Args:
+    env_id: str = "Pong-v5"
+    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
+    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
+    seed: int = 1
+    """seed for parameters, exploration, replay and environments (each rank and env its own)"""
+    total_timesteps: int = 10_000_000
+    """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
+    num_envs: int = 16
+    """environments per rank; 16 x --num-steps 16 = 256 steps per iteration, one update at 2048"""
+    cuda: bool = True
+    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    run_dir: str | None = None
+    """output directory; default runs/<env>__cat_dqn__<seed>__<unix time>"""
+    alternate: bool = False
+    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
+    checkpoint_interval: int = 0
+    """global steps between checkpoints; 0 means only at the end"""
+    resume: str | None = None
+    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
+    --run-dir's newest checkpoint if it has one, else start the run there"""
+    episodic_life: bool = True
+    """end the learner's episode at each life loss, the game going on (paper: on)"""
+    sticky_actions: bool = False
+    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
+    clip_rewards: bool = True
+    """learn from sign(reward) (Nature DQN, C51); episode statistics always report the raw score"""
+    keep_checkpoints: int = 3
+    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
+    keeps all"""
+    collective_timeout: float = 600.0
+    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
+    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
+
+    preset: Literal["c51-nature", "catdqn-2k"] = "catdqn-2k"
+    """documented configuration that sets the defaults below (module docstring); flags win"""
+    num_atoms: int = 51
+    """atoms of each action's return distribution (C51: 51)"""
+    v_min: float = -10.0
+    """smallest return on the support (C51: -10; rewards are clipped to [-1, 1])"""
+    v_max: float = 10.0
+    """largest return on the support (C51: 10)"""
+    num_steps: int = 16
+    """steps per environment per iteration, between rounds of updates"""
+    batch_size: int = 2048
+    """transitions per update per rank; the global batch is ranks x this (paper: 2048)"""
+    replay_size: int = 1_000_000
+    """replay capacity in transitions over all ranks, each rank holding 1/ranks (Nature: 1M)"""
+    replay_ratio: float = 8.0
+    """transitions replayed per transition generated (Nature: batch 32 every 4 steps = 8)"""
+    replay_device: Literal["auto", "cpu"] = "auto"
+    """where the replay lives: auto = the rank's device (a GPU's memory), or cpu"""
+    save_replay: bool = False
+    """put each rank's replay shard in the checkpoints; without it a resume refills first"""
+    learning_starts: int = 50_000
+    """global steps before the first update, and again after a resume without --save-replay"""
+    target_update_interval: int = 40_000
+    """global steps between target network copies (Nature, C51: 10,000 updates x 4 steps)"""
+    gamma: float = 0.99
+    """discount factor (Nature, C51)"""
+    n_step: int = 1
+    """steps of reward summed before bootstrapping (1 is C51's one-step target; Rainbow: 3)"""
+    double: bool = False
+    """double Q-learning: the online network's expected values pick the next action"""
+    dueling: bool = False
+    """dueling heads per atom: logits = V + A - mean_a(A) (Rainbow, Hessel et al. 2018)"""
+    prioritized: bool = False
+    """proportional prioritized replay, the cross-entropy as priority (Rainbow)"""
+    priority_alpha: float = 0.5
+    """priority exponent (Rainbow: 0.5)"""
+    priority_beta: float = 0.4
+    """initial importance-sampling exponent, annealed linearly to 1 over --total-timesteps"""
+    optimizer: Literal["adam", "rmsprop"] = "adam"
+    """adam (C51), or rmsprop as in Nature DQN (centered, squared-gradient decay 0.95)"""
+    learning_rate: float = 2.5e-4
+    """learning rate (C51's, not scaled with the batch: module docstring)"""
+    adam_eps: float = 0.01 / 2048
+    """Adam epsilon (C51: 0.01/32; the authors' code: 0.01/batch)"""
+    max_grad_norm: float = 10.0
+    """global gradient-norm clip after averaging over ranks (rlpyt's DQN: 10); 0 turns it off"""
+    eps_schedule: Literal["linear", "apex"] = "linear"
+    """exploration: one annealed epsilon, or fixed per-environment epsilons (as dqn_multigpu)"""
+    eps_start: float = 1.0
+    """linear schedule's first epsilon (Nature)"""
+    eps_end: float = 0.01
+    """linear schedule's final epsilon (C51: 0.01)"""
+    eps_decay_steps: int = 250_000
+    """global steps of the linear decay (Nature, C51: 1M frames)"""
+    eval_interval: int = 25
+    """logging intervals between greedy evaluations; 0 turns evaluation off"""
+    eval_epsilon: float = 0.001
+    """exploration during evaluation (C51, Rainbow: 0.001)"""
+    eval_envs: int = 4
+    """evaluation environments per rank, separate from the training ones"""
+    eval_episodes: int = 8
+    """games each rank finishes per evaluation (or fewer, at --eval-max-steps)"""
+    eval_max_steps: int = 4_500
+    """steps per evaluation environment at most (18,000 frames: 5 minutes of play)"""
+
+
+PRESETS = {  # sources in the module docstring
+    "c51-nature": dict(batch_size=32, optimizer="adam", learning_rate=2.5e-4, adam_eps=0.01 / 32,
+                       target_update_interval=40_000, learning_starts=50_000, eps_end=0.01,
+                       eps_decay_steps=250_000, eval_epsilon=0.001, n_step=1, double=False,
+                       dueling=False, prioritized=False, num_atoms=51, v_min=-10.0, v_max=10.0),
+    "catdqn-2k": {},  # Args' own defaults
+}
+
+
+def parse_args(argv: list[str] | None = None):
+    """cli.parse_args with the preset's values in front of the command line, where later flags
+    win (as dqn_multigpu.py). `--resume RUN` takes the run's resolved flags (args.json)
+    instead; `--resume auto` and torchrun restarts repeat the first launch's command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = tyro.cli(Args, args=argv)
+    if first.resume and first.resume != "auto":
+        return cli.parse_args(Args, argv)
+    types = {f.name: f.type for f in fields(Args)}
+    flags = []
+    for name, value in PRESETS[first.preset].items():
+        flag = "--" + name.replace("_", "-")
+        if types[name] in (bool, "bool"):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return cli.parse_args(Args, flags + argv)
+
+
+class C51Network(nn.Module):
+    """Nature-DQN torso (Mnih et al. 2015) with atom logits for every action (C51, Sec. 5)."""
+
+    def __init__(self, num_actions: int, support: torch.Tensor, dueling: bool = False):
+        super().__init__()
+        self.A, self.K, self.dueling = num_actions, len(support), dueling
+        self.register_buffer("support", support.clone())  # z [K], also saved in checkpoints
+        self.torso = nn.Sequential(
+            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
+        self.head = nn.Sequential(nn.Linear(3136, 512), nn.ReLU(),
+                                  nn.Linear(512, num_actions * self.K))
+        if dueling:
+            self.value = nn.Sequential(nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, self.K))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """obs uint8 [N, 4, 84, 84] -> atom logits [N, A, K] (softmax over K per action)."""
+        h = self.torso(obs.float() / 255.0)
+        logits = self.head(h).view(-1, self.A, self.K)
+        if not self.dueling:
+            return logits
+        # Rainbow's distributional dueling: the advantage's mean over actions is removed per atom
+        return self.value(h)[:, None] + logits - logits.mean(1, keepdim=True)
+
+    def q_values(self, obs: torch.Tensor) -> torch.Tensor:
+        """Expected returns Q(s, a) = sum_k z_k p_k(s, a) [N, A]."""
+        return (self(obs).softmax(-1) * self.support).sum(-1)
+
+
+def project(probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor,
+            support: torch.Tensor) -> torch.Tensor:
+    """C51's Algorithm 1, vectorised over the batch: the distribution of returns + discounts x Z,
+    where Z puts probs [N, K] on the atoms support [K], projected onto the same atoms [N, K].
+
+    Each shifted atom Tz = clamp(R + discount z_j, v_min, v_max) sits at fractional position
+    b = (Tz - v_min) / dz; its mass goes to its two neighbours l = floor(b) and l + 1 in
+    proportion to closeness. We take l = min(floor(b), K - 2) and always use l and l + 1: a Tz
+    exactly on atom k < K - 1 then gives weight 1 to k and 0 to k + 1, and Tz = v_max gives
+    weight 1 to K - 1, so the l == u case of Algorithm 1 (where both weights u - b and b - l are
+    0 and the mass would vanish) cannot arise. discount 0 (a termination, as the replay gives
+    it) collapses every atom onto the clamped return.
+    """
+    K = len(support)
+    dz = (support[-1] - support[0]) / (K - 1)
+    tz = (returns[:, None] + discounts[:, None] * support[None]).clamp(support[0], support[-1])
+    b = (tz - support[0]) / dz  # [N, K], in [0, K - 1]
+    lower = b.floor().clamp(max=K - 2)  # [N, K]
+    upper_w = (b - lower).clamp(0.0, 1.0)  # fraction of the mass that goes to l + 1
+    out = torch.zeros_like(probs)
+    out.scatter_add_(1, lower.long(), probs * (1.0 - upper_w))
+    out.scatter_add_(1, lower.long() + 1, probs * upper_w)
+    return out
+
+
+def target_distribution(model: C51Network, target: C51Network, batch: dict[str, torch.Tensor],
+                        double: bool) -> torch.Tensor:
+    """Projected target distribution [N, K] of R(n) + discount x Z_target(s', a'), discount =
+    gamma^m, or 0 after a termination (common/replay.py). a' = argmax_a E[Z_target(s', a)] (C51),
+    or argmax_a E[Z_online(s', a)] with --double (Rainbow)."""
+    with torch.no_grad():
+        p_next = target(batch["next_obs"]).softmax(-1)  # [N, A, K]
+        q_next = model.q_values(batch["next_obs"]) if double else (p_next * target.support).sum(-1)
+        a_next = q_next.argmax(1)  # [N]
+        p = p_next[torch.arange(len(a_next), device=a_next.device), a_next]  # [N, K]
+        return project(p, batch["returns"], batch["discounts"], target.support)
+
+
+def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Optimizer,
+               batch: dict[str, torch.Tensor], args: Args):
+    """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
+
+    Loss: cross-entropy -sum_k m_k log p_k(s, a) against the projected target m (C51, Algorithm
+    1's last line), weighted by the importance weights. The gradient is averaged over ranks
+    before clipping and the step, so R ranks on R batches take the step one process takes on
+    their union, and every rank stays identical. The per-sample cross-entropy is the priority.
+    """
+    m = target_distribution(model, target, batch, args.double)  # [N, K]
+    logits = model(batch["obs"])  # [N, A, K]
+    chosen = logits[torch.arange(len(m), device=m.device), batch["actions"]]  # [N, K]
+    log_p = F.log_softmax(chosen, -1)
+    ce = -(m * log_p).sum(1)  # [N]
+    loss = (batch["weights"] * ce).mean()
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    comm = dist.all_reduce_grads(model)
+    if args.max_grad_norm > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    q = (log_p.detach().exp() * model.support).sum(1)  # E[Z(s, a)] of the taken actions [N]
+    return {"loss": loss.detach(), "q_values": q.mean()}, ce.detach(), comm
+
+
+def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
+    if args.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+    # DeepMind's RMSProp (Nature): centered, decay 0.95, minimum squared gradient 0.01 inside the
+    # square root; its square root outside stands in for it, as in dqn_multigpu.py.
+    return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
+                               eps=math.sqrt(0.01), centered=True)
+
+
+def epsilons(args: Args, global_step: int, rank: int, world_size: int) -> torch.Tensor:
+    """Exploration rate of each of this rank's environments [num_envs]. `apex`: environment i of
+    all N (i = rank x num_envs + b) keeps 0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018);
+    `linear`: --eps-start to --eps-end over --eps-decay-steps global steps, then constant."""
+    if args.eps_schedule == "apex":
+        n = world_size * args.num_envs
+        i = rank * args.num_envs + torch.arange(args.num_envs, dtype=torch.float64)
+        return (0.4 ** (1 + 7 * i / max(n - 1, 1))).float()
+    frac = min(1.0, global_step / max(args.eps_decay_steps, 1))
+    return torch.full((args.num_envs,), args.eps_start + frac * (args.eps_end - args.eps_start))
+
+
+class GroupPolicy:
+    """The sampler's policy: epsilon-greedy on expected returns, one epsilon per environment
+    column. With --alternate, collect() asks for group 0, 1, 0, 1, ... (common/sampler.py), so
+    the call count tells which columns a batch of observations belongs to."""
+
+    def __init__(self, model: C51Network, groups: int):
+        self.model, self.groups, self.calls, self.eps = model, groups, 0, None
+
+    def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
+        self.eps, self.calls = eps, 0
+        return self
+
+    def __call__(self, obs):
+        n, g = len(obs), self.calls % self.groups
+        self.calls += 1
+        q = self.model.q_values(obs)  # [n, A]
+        explore = torch.rand(n, device=obs.device) < self.eps[g * n:(g + 1) * n]
+        random = torch.randint(q.shape[1], (n,), device=obs.device)
+        return torch.where(explore, random, q.argmax(1)), {}
+
+
+def evaluate(policy: GroupPolicy, sampler: Sampler, args: Args, seeds) -> list[float]:
+    """Greedy games (--eval-epsilon) on the separate evaluation environments: true scores of up
+    to --eval-episodes finished games, within --eval-max-steps steps per environment."""
+    sampler.reset(seeds)
+    sampler.pop_episodes()
+    eps = torch.full((args.eval_envs,), args.eval_epsilon, device=sampler.device)
+    games, steps = [], 0
+    while len(games) < args.eval_episodes and steps < args.eval_max_steps:
+        sampler.collect(policy.start(eps))
+        steps += sampler.T
+        games += [ret for ret, _ in sampler.pop_episodes()]
+    return games[:args.eval_episodes]
+
+
+def main() -> None:
+    args, world = parse_args()  # joins the process group; on resume, the run's flags
+    for name in ("batch_size", "replay_size", "n_step", "target_update_interval", "eval_envs"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.replay_ratio <= 0 or args.learning_rate <= 0:
+        dist.fail("--replay-ratio and --learning-rate must be positive")
+    for name in ("gamma", "eps_start", "eps_end", "eval_epsilon", "priority_beta"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            dist.fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.learning_starts < 0 or args.eval_interval < 0:
+        dist.fail("--learning-starts and --eval-interval must be >= 0")
+    if args.num_atoms < 2 or not args.v_min < args.v_max:
+        dist.fail(f"need --num-atoms >= 2 and --v-min < --v-max, got {args.num_atoms} atoms on "
+                  f"[{args.v_min}, {args.v_max}]")
+
+    # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
+    device = world.device
+    rows = args.replay_size // world.world_size // args.num_envs
+    if rows < args.num_steps + args.n_step + 5:
+        dist.fail(f"--replay-size {args.replay_size} gives {rows} transitions per environment "
+                  f"on each of {world.world_size} ranks; need at least --num-steps + --n-step + 5 "
+                  f"= {args.num_steps + args.n_step + 5}")
+    try:
+        env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
+                                    episodic_life=args.episodic_life,
+                                    sticky_actions=args.sticky_actions)
+        eval_envs = envs.make_envs(args.env_id, args.eval_envs, episodic_life=args.episodic_life,
+                                   sticky_actions=args.sticky_actions) if args.eval_interval else []
+    except envs.EnvError as e:
+        dist.fail(str(e))
+    run_dir, state = checkpoint.prepare_run(args, "cat_dqn", world)
+    num_actions = env_groups[0].num_actions
+
+    support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    model = C51Network(num_actions, support, args.dueling).to(device)
+    target = copy.deepcopy(model)
+    optimizer = make_optimizer(model, args)
+    torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
+    np.random.seed(args.seed * 1000 + world.rank)
+    global_step = checkpoint.restore(state, world, model=model, optimizer=optimizer,
+                                     target=target)  # or 0
+    counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
+                "generated": 0, "evals": 0}  # "generated": steps taken while learning was on
+    if state is not None:
+        counters.update(state["counters"])
+    else:
+        target.load_state_dict(model.state_dict())
+    dist.broadcast_params(model)
+    dist.broadcast_params(target)
+
+    def new_replay():  # this rank's shard of --replay-size, on its device (or the CPU)
+        return Replay(rows * args.num_envs, args.num_envs,
+                      device if args.replay_device == "auto" else torch.device("cpu"),
+                      n_step=args.n_step, gamma=args.gamma, prioritized=args.prioritized,
+                      alpha=args.priority_alpha)
+
+    replay, loaded = new_replay(), False
+    if state is not None:
+        shard = checkpoint.load_rank_state(run_dir, global_step, world) if args.save_replay \
+            else None
+        try:
+            loaded = shard is not None and replay.load_state_dict(shard["replay"]) is None
+        except (ValueError, KeyError) as e:
+            print(f"warning: rank {world.rank}: {e}", file=sys.stderr, flush=True)
+        # all ranks refill together, or none does: every rank must take the same updates
+        if dist.all_reduce_mean(torch.tensor([float(loaded)], device=device)).item() < 1:
+            replay = new_replay() if loaded else replay
+            counters["learn_from"] = global_step + args.learning_starts
+            if world.is_main:
+                print(f"replay not restored: refilling it for {args.learning_starts:,} steps "
+                      "before learning again", flush=True)
+
+    global_batch = args.num_steps * args.num_envs * world.world_size
+    # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
+    # about 2048 steps per rank; a function of the iteration count only, so ranks agree.
+    log_every = max(1, 2048 // (args.num_steps * args.num_envs))
+    sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
+    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
+    policy = GroupPolicy(model, len(env_groups))
+    eval_sampler = Sampler(eval_envs, 64, device) if eval_envs else None
+    logger = Logger(run_dir, world, args, state)
+    stop = checkpoint.StopRequest()
+
+    def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
+        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
+                               {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "target": target.state_dict(), "counters": dict(counters),
+                                "logger": logger.state(), "env_id": args.env_id,
+                                "script": "cat_dqn"},
+                               rank_state={"replay": replay.state_dict()} if args.save_replay
+                               else None)
+
+    finals = []  # true last observations of truncated episodes, in the order the sampler meets them
+
+    def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
+        finals.append(obs)
+        return torch.zeros(len(obs), device=obs.device)
+
+    saved_at, iteration, logs, last_eval = global_step, 0, 0, None
+    stat_sums, stat_count = {}, 0
+    env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
+    while global_step < args.total_timesteps:
+        iteration += 1
+
+        # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
+        eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
+        rollout = sampler.collect(policy.start(eps), value_fn=keep_final)
+        replay.add(rollout["obs"], rollout["actions"], rollout["rewards"], rollout["terminated"],
+                   rollout["truncated"], sampler.next_obs, torch.cat(finals) if finals else None)
+        finals.clear()
+        global_step += global_batch
+
+        # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
+        learn_t0, seconds = time.perf_counter(), 0.0
+        if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
+            counters["generated"] += global_batch
+            counters["credit"] += args.replay_ratio * global_batch / (
+                args.batch_size * world.world_size)
+            beta = args.priority_beta + (1 - args.priority_beta) * min(
+                1.0, global_step / args.total_timesteps)
+            while counters["credit"] >= 1.0:
+                counters["credit"] -= 1.0
+                batch = {k: v.to(device, non_blocking=True)
+                         for k, v in replay.sample(args.batch_size, beta).items()}
+                stats, ce, c = c51_update(model, target, optimizer, batch, args)
+                replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
+                counters["updates"] += 1
+                seconds += c
+                for k, v in stats.items():
+                    stat_sums[k] = stat_sums.get(k, 0.0) + v
+                stat_count += 1
+        interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
+        if global_step // interval > (global_step - global_batch) // interval:
+            target.load_state_dict(model.state_dict())
+        learn += time.perf_counter() - learn_t0 - seconds
+        comm += seconds
+
+        # ---- logging, evaluation and checkpoints ----
+        interval = args.checkpoint_interval
+        if interval and global_step // interval > (global_step - global_batch) // interval:
+            save()
+            saved_at = global_step
+        if iteration % log_every and global_step < args.total_timesteps:
+            continue  # not a logging iteration: keep accumulating stats and phase times
+        logs += 1
+        scalars = {"charts/epsilon": eps.mean().item(),
+                   "charts/replay_ratio": counters["updates"] * args.batch_size
+                   * world.world_size / max(counters["generated"], 1)}
+        if stat_count:
+            means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one sync
+            scalars.update({f"losses/{k}": m for k, m in zip(stat_sums, means)})
+        eval_s = 0.0
+        if eval_sampler is not None and logs % args.eval_interval == 0:
+            t0 = time.perf_counter()
+            counters["evals"] += 1
+            games = [r for g in dist.all_gather(evaluate(policy, eval_sampler, args, envs.env_seeds(
+                args.seed + 10**6, world.rank, args.eval_envs, offset=counters["evals"])))
+                for r in g]
+            if games:
+                last_eval = sum(games) / len(games)
+                scalars.update({"charts/eval_return": last_eval,
+                                "charts/eval_episodes": len(games)})
+            eval_s = time.perf_counter() - t0
+        logger.log(global_step, scalars, sampler.pop_episodes(),
+                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
+                    "learn": learn, "comm": comm, "eval": eval_s})
+        stat_sums, stat_count = {}, 0
+        env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
+        if stop(device):
+            if world.is_main:
+                print(f"\nstopped by signal at step {global_step:,}; continue with "
+                      f"--resume {run_dir}", flush=True)
+            break
+
+    if saved_at != global_step:
+        path = save()
+        if world.is_main:
+            print(f"\ncheckpoint: {path}", flush=True)
+    logger.summary(global_step, updates=counters["updates"], eval_return=last_eval,
+                   replay_bytes_per_transition=replay.bytes_per_transition())
+    logger.close()
+    for e in env_groups + eval_envs:
+        e.close()
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

