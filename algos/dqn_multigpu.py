@@ -8,11 +8,10 @@ driving many emulators with batched epsilon-greedy inference (Sec. 3.1), each wi
 of a frame-deduplicated replay memory on its GPU (common/replay.py), and every update taken on
 gradients averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and targets.
 
-Each iteration: every rank steps its --num-envs environments --num-steps times (4 by default:
-16 envs x 4 steps = 64 steps per rank, so at batch 512 and replay ratio 8 one update follows each
-iteration), appends them to its shard, then takes updates_per_iteration = replay_ratio x
-global_steps / (batch_size x ranks) updates, carrying the fraction, so the long-run ratio of
-samples replayed to samples generated is exactly --replay-ratio whatever the batch or world size.
+Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
+its shard, then takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
+fraction, so the ratio of samples replayed to samples generated is exactly --replay-ratio
+whatever the batch or world size (16 envs x 4 steps at batch 512, ratio 8: one update each).
 
 Presets (--preset; flags on the command line override them):
   dqn-nature       Mnih et al. 2015: batch 32, centered RMSProp lr 2.5e-4, target every 10,000
@@ -23,10 +22,9 @@ Presets (--preset; flags on the command line override them):
                    starts at 20,000 steps (Hessel et al. 2018's settings, the authors' code's eps).
 Learning rate from batch 32 to 512: not scaled. The authors' code keeps Rainbow's batch-32 rate
 (6.25e-5) at batch 512 and divides Adam's epsilon by the batch size instead (0.005/512; C51:
-0.01/batch), and dqn-512 follows the same rule from Nature's 2.5e-4 (Adam, epsilon 0.01/512).
-Averaging 16x more samples lowers the gradient's noise rather than its scale, so the step size
-needs no change; Adam's epsilon shrinks so that it stays small against the lower-noise second
-moment. Our choice for dqn-512 follows this rule; we could not find the paper's DQN-512 rate.
+0.01/batch); dqn-512 applies that rule to Nature's 2.5e-4 (Adam, epsilon 0.01/512). A 16x larger
+batch lowers the gradient's noise, not its scale (the loss is a mean), so the step needs no
+change. This is our choice: we could not find the paper's DQN-512 rate.
 
 Exploration (--eps-schedule): `linear` anneals one epsilon over --eps-decay-steps global steps;
 `apex` gives environment i of all N (i = rank x num_envs + b) the fixed epsilon
@@ -73,8 +71,7 @@ class Args:
     """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
-    """seed for parameters, exploration, replay sampling and environments (each rank and env
-    gets its own)"""
+    """seed for parameters, exploration, replay and environments (each rank and env its own)"""
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
@@ -118,8 +115,7 @@ class Args:
     save_replay: bool = False
     """put each rank's replay shard in the checkpoints; without it a resume refills first"""
     learning_starts: int = 50_000
-    """global steps of experience before the first update, and again after a resume without
-    --save-replay (Nature: 50,000)"""
+    """global steps before the first update, and again after a resume without --save-replay"""
     target_update_interval: int = 40_000
     """global steps between target network copies (Nature: 10,000 updates x 4 steps)"""
     gamma: float = 0.99
@@ -142,9 +138,6 @@ class Args:
     """learning rate (Nature's, not scaled with the batch: module docstring)"""
     adam_eps: float = 0.01 / 512
     """Adam epsilon (the authors' code: 0.01/batch for C51, 0.005/batch for eps-Rainbow)"""
-    rmsprop_eps: float = 0.01
-    """RMSProp minimum squared gradient, inside the square root as in Nature (sqrt of it is
-    passed to PyTorch, as a2c_multigpu.py does)"""
     max_grad_norm: float = 10.0
     """global gradient-norm clip after averaging over ranks (rlpyt's DQN: 10); 0 turns it off"""
     eps_schedule: Literal["linear", "apex"] = "linear"
@@ -172,10 +165,7 @@ PRESETS = {  # sources in the module docstring
                        target_update_interval=40_000, learning_starts=50_000, eps_end=0.1,
                        eps_decay_steps=250_000, eval_epsilon=0.05, n_step=1, double=False,
                        dueling=False, prioritized=False),
-    "dqn-512": dict(batch_size=512, optimizer="adam", learning_rate=2.5e-4, adam_eps=0.01 / 512,
-                    target_update_interval=40_000, learning_starts=50_000, eps_end=0.1,
-                    eps_decay_steps=250_000, n_step=1, double=False, dueling=False,
-                    prioritized=False),
+    "dqn-512": {},  # Args' own defaults
     "eps-rainbow-512": dict(batch_size=512, optimizer="adam", learning_rate=6.25e-5,
                             adam_eps=0.005 / 512, target_update_interval=8_000,
                             learning_starts=20_000, eps_end=0.01, eps_decay_steps=62_500,
@@ -277,9 +267,10 @@ def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimiz
 def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    # DeepMind's RMSProp (Nature): centered, decay 0.95, the 0.01 floor inside the square root.
+    # DeepMind's RMSProp (Nature): centered, decay 0.95, minimum squared gradient 0.01 inside the
+    # square root; its square root outside stands in for it, as in a2c_multigpu.py.
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
-                               eps=math.sqrt(args.rmsprop_eps), centered=True)
+                               eps=math.sqrt(0.01), centered=True)
 
 
 class GroupPolicy:
@@ -290,13 +281,12 @@ class GroupPolicy:
     def __init__(self, model: QNetwork, groups: int):
         self.model, self.groups, self.calls, self.eps = model, groups, 0, None
 
-    def start(self, eps: torch.Tensor) -> GroupPolicy:
+    def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
         self.eps, self.calls = eps, 0
         return self
 
     def __call__(self, obs):
-        n = len(obs)
-        g = self.calls % self.groups
+        n, g = len(obs), self.calls % self.groups
         self.calls += 1
         return epsilon_greedy(self.model, obs, self.eps[g * n:(g + 1) * n]), {}
 
@@ -363,25 +353,23 @@ def main() -> None:
     dist.broadcast_params(model)
     dist.broadcast_params(target)
 
-    replay_device = device if args.replay_device == "auto" else torch.device("cpu")
-    replay = Replay(rows * args.num_envs, args.num_envs, replay_device, n_step=args.n_step,
-                    gamma=args.gamma, prioritized=args.prioritized, alpha=args.priority_alpha)
+    def new_replay():  # this rank's shard of --replay-size, on its device (or the CPU)
+        return Replay(rows * args.num_envs, args.num_envs,
+                      device if args.replay_device == "auto" else torch.device("cpu"),
+                      n_step=args.n_step, gamma=args.gamma, prioritized=args.prioritized,
+                      alpha=args.priority_alpha)
+
+    replay, loaded = new_replay(), False
     if state is not None:
-        loaded = False
         shard = checkpoint.load_rank_state(run_dir, global_step, world) if args.save_replay \
             else None
-        if shard is not None:
-            try:
-                replay.load_state_dict(shard["replay"])
-                loaded = True
-            except (ValueError, KeyError) as e:
-                print(f"warning: rank {world.rank}: {e}", file=sys.stderr, flush=True)
+        try:
+            loaded = shard is not None and replay.load_state_dict(shard["replay"]) is None
+        except (ValueError, KeyError) as e:
+            print(f"warning: rank {world.rank}: {e}", file=sys.stderr, flush=True)
         # all ranks refill together, or none does: every rank must take the same updates
         if dist.all_reduce_mean(torch.tensor([float(loaded)], device=device)).item() < 1:
-            if loaded:
-                replay = Replay(rows * args.num_envs, args.num_envs, replay_device,
-                                n_step=args.n_step, gamma=args.gamma,
-                                prioritized=args.prioritized, alpha=args.priority_alpha)
+            replay = new_replay() if loaded else replay
             counters["learn_from"] = global_step + args.learning_starts
             if world.is_main:
                 print(f"replay not restored: refilling it for {args.learning_starts:,} steps "
