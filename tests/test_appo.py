@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -153,7 +154,12 @@ def test_appo_learns_catch(tmp_path):
     assert 0 <= s["policy_lag_mean"] <= s["policy_lag_max"] <= 4 and s["dropped_rollouts"] == 0
 
 
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("accelrl-*")}
+
+
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
+    shm_before = _shm()
     run = tmp_path / "run"
     common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
               "--num-minibatches", "2", "--update-epochs", "1", "--run-dir", str(run)]
@@ -192,7 +198,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
                 "time/inference", "time/learn", "time/comm", "time/sampler_wait",
                 "time/learner_wait"):
         assert tag in tags
-    assert not list(__import__("pathlib").Path("/dev/shm").glob("accelrl-*"))
+    assert not _shm() - shm_before  # the central state's files are unlinked
 
 
 def _family(root: int) -> dict[int, str]:
@@ -241,6 +247,7 @@ LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-st
 def test_killed_sampler_ends_the_whole_run(tmp_path):
     """SIGKILL one rank's sampler under torchrun: the run ends, non-zero, saying what died, and
     no process it started (ranks, samplers, trackers) is left."""
+    shm_before = _shm()
     proc, head = start_training("appo_async", *LONG_RUN, "--run-dir", str(tmp_path / "run"),
                                 nproc=2)
     try:
@@ -254,7 +261,7 @@ def test_killed_sampler_ends_the_whole_run(tmp_path):
     assert proc.returncode != 0, out
     assert f"sampler process (pid {samplers[1]}) was killed by SIGKILL; ending the run" in out, out
     assert not _left(family)
-    assert not list(__import__("pathlib").Path("/dev/shm").glob("accelrl-*"))
+    assert not _shm() - shm_before  # the central state's files are unlinked
 
 
 def test_sigint_checkpoints_and_leaves_no_process(tmp_path):
