@@ -3,7 +3,7 @@
 Deep Q-learning (Mnih et al. 2015, Nature) with double Q-learning (van Hasselt et al. 2016),
 dueling heads (Wang et al. 2016), prioritized replay (Schaul et al. 2016) and n-step returns, as
 run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
-1803.02811, Sec. 4.2 and Table 2: "DQN-512" and "eps-Rainbow-512"): one process per GPU, each
+1803.02811, Table 2: "DQN-512" and "eps-Rainbow-512"): one process per GPU, each
 driving many emulators with batched epsilon-greedy inference (Sec. 3.1), each with its own shard
 of a frame-deduplicated replay memory on its GPU (common/replay.py), and every update taken on
 gradients averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and targets.

@@ -3,7 +3,7 @@
 Layout. Each environment column b of a rank has a circular buffer of single frames
 `frames[T, B, 84, 84]` plus small per-step fields (action, reward, a flags byte, the index of a
 truncated episode's final frame): 7,067 bytes per transition (+16 for the sum tree), where full
-4-frame stacks would take 28,224 (paper Sec. 4.2 stores frames once for the same reason). Stacks
+4-frame stacks would take 28,224 (the paper's replay stores frames once for this). Stacks
 are rebuilt at sample time from the frames of rows t-3..t. The row after the newest complete one
 already holds the next observation's frame (`add` takes the sampler's next_obs), so the newest
 transitions can bootstrap from it and a saved buffer can close its cut-off episodes on resume.
