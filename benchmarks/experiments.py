@@ -1,0 +1,246 @@
+"""Learning-curve experiments of the paper: named sweeps of configurations x games x seeds.
+
+    python benchmarks/experiments.py NAME [--games ...] [--seeds ...] [--parallel N]
+                                          [--print-commands] [--only CONFIG ...]
+
+Experiments (each configuration is a row of benchmarks/registry.py plus its own flags):
+  many-envs      does learning survive massively parallel sampling? PPO with 8 environments per
+                 rank (its standard) against 64, A2C with 16 against 256; policy-gradient budget
+                 of the paper, 25M steps.
+  batch-size     do large batches keep sample efficiency? DQN at batch 32 and 512 and C51 at 2048,
+                 all at replay ratio 8 (the Adam epsilon follows the authors' 0.01 / batch rule);
+                 the paper's DQN budget, 50M steps.
+  sync-vs-async  PPO against APPO, to be plotted against wall-clock time (plot.py draws both
+                 axes); 25M steps. DQN-512 against an asynchronous DQN mode belongs here once
+                 dqn_multigpu.py has one (it has none yet).
+  smoke          every configuration above, tiny (the registry's smoke flags: a few hundred to a
+                 few thousand steps), on the synthetic Catch game: the whole pipeline on a CPU in
+                 minutes.
+Default games: the paper's learning-curve games, as far as we know them without the PDF at
+hand (BeamRider, Breakout, Pong, Qbert, Seaquest, SpaceInvaders); default seeds 1 2 3.
+
+Each run is `python algos/<script>.py ... --run-dir RUNS/NAME/<game>/<config>/seed<k>
+--resume auto`: a run whose summary.json exists is skipped, an interrupted one continues from
+its newest checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a
+time, each pinned to its own GPU(s) through CUDA_VISIBLE_DEVICES when there are GPUs; output
+goes to RUNS/NAME/logs/. `--print-commands` prints one shell line per unfinished run instead
+(for a job array or GNU parallel). Plot with `python benchmarks/plot.py RUNS/NAME`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Queue
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import registry  # noqa: E402
+
+PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
+               "SpaceInvaders-v5")
+CATCH = "tests.catch_env:Catch-v0"
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str  # one line in the plots
+    algo: str  # a key of registry.ALGOS
+    flags: tuple[str, ...] = ()  # on top of the registry's flags
+
+
+def _q_eps(batch: int) -> tuple[str, ...]:  # the authors' Adam epsilon rule: 0.01 / batch
+    return ("--batch-size", str(batch), "--adam-eps", repr(0.01 / batch))
+
+
+MANY_ENVS = (Config("ppo-8env", "ppo"), Config("ppo-64env", "ppo", ("--num-envs", "64")),
+             Config("a2c-16env", "a2c"), Config("a2c-256env", "a2c", ("--num-envs", "256")))
+BATCH_SIZE = (Config("dqn-32", "dqn-512", _q_eps(32)), Config("dqn-512", "dqn-512"),
+              Config("catdqn-2048", "catdqn-2048"))
+SYNC_VS_ASYNC = (Config("ppo", "ppo"), Config("appo", "appo"))
+# Tiny versions of the above: the registry's smoke flags come first, these win over them.
+SMOKE = (Config("ppo-4env", "ppo"), Config("ppo-16env", "ppo", ("--num-envs", "16")),
+         Config("a2c-4env", "a2c"), Config("a2c-16env", "a2c", ("--num-envs", "16")),
+         Config("dqn-32", "dqn-512", _q_eps(32)), Config("dqn-512", "dqn-512"),
+         Config("catdqn-2048", "catdqn-2048"), Config("appo", "appo"))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    configs: tuple[Config, ...]
+    games: tuple[str, ...] = PAPER_GAMES
+    seeds: tuple[int, ...] = (1, 2, 3)
+    total_timesteps: int | None = None  # None: the smoke flags' own totals
+    smoke: bool = False
+
+
+EXPERIMENTS = {
+    "many-envs": Experiment(MANY_ENVS, total_timesteps=25_000_000),
+    "batch-size": Experiment(BATCH_SIZE, total_timesteps=50_000_000),
+    "sync-vs-async": Experiment(SYNC_VS_ASYNC, total_timesteps=25_000_000),
+    "smoke": Experiment(SMOKE, games=(CATCH,), seeds=(1,), smoke=True),
+}
+
+
+@dataclass
+class Args:
+    name: tyro.conf.Positional[str]
+    """experiment: many-envs, batch-size, sync-vs-async or smoke"""
+    games: tuple[str, ...] | None = None
+    """games (Pong, Pong-v5, or any id the scripts accept); default: the experiment's"""
+    seeds: tuple[int, ...] | None = None
+    """seeds; default: the experiment's"""
+    only: tuple[str, ...] | None = None
+    """run only these configurations of the experiment (labels, as in the plots)"""
+    parallel: int = 1
+    """runs at a time; with GPUs each gets its own (--ranks of them) through CUDA_VISIBLE_DEVICES"""
+    ranks: int = 1
+    """ranks per run: above 1 each run is launched under torchrun"""
+    total_timesteps: int | None = None
+    """override every run's --total-timesteps"""
+    runs: str = "runs/experiments"
+    """root folder: runs go to RUNS/NAME/<game>/<config>/seed<k>"""
+    print_commands: bool = False
+    """print one shell command per unfinished run and exit"""
+
+
+@dataclass(frozen=True)
+class Run:
+    config: Config
+    game: str
+    seed: int
+    run_dir: Path
+
+    def command(self, exp: Experiment, total: int | None, ranks: int) -> list[str]:
+        algo = registry.ALGOS[self.config.algo]
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable])
+        total = total or exp.total_timesteps
+        return [*launcher, str(registry.script_path(algo)), *algo.flags,
+                *(algo.smoke if exp.smoke else ()), *self.config.flags, "--env-id", self.game,
+                "--seed", str(self.seed), *(("--total-timesteps", str(total)) if total else ()),
+                "--run-dir", str(self.run_dir), "--resume", "auto"]
+
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def game_id(name: str) -> str:
+    """Pong -> Pong-v5; ids with a version or a module are kept."""
+    return name if (":" in name or "-v" in name) else f"{name}-v5"
+
+
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
+    """The experiment, its runs, and one-line notes (skipped configurations); exits on errors."""
+    exp = EXPERIMENTS.get(args.name)
+    if exp is None:
+        fail(f"unknown experiment {args.name!r}; choose from {', '.join(EXPERIMENTS)}")
+    configs = list(exp.configs)
+    if args.only:
+        labels = [c.label for c in configs]
+        if bad := [o for o in args.only if o not in labels]:
+            fail(f"{args.name} has no configuration {', '.join(map(repr, bad))}; "
+                 f"it has {', '.join(labels)}")
+        configs = [c for c in configs if c.label in args.only]
+    if args.parallel < 1 or args.ranks < 1:
+        fail("--parallel and --ranks must be at least 1")
+    games = [game_id(g) for g in (args.games or exp.games)]
+    from common import envs
+
+    for g in games:
+        try:
+            envs.ale_game(g)
+        except envs.EnvError as e:
+            fail(str(e))
+    notes, kept = [], []
+    for c in configs:
+        note = registry.missing_note(c.algo)
+        if note:
+            notes.append(note.replace(f"skipping {c.algo}", f"skipping {c.label}"))
+        else:
+            kept.append(c)
+    root = Path(args.runs).resolve() / args.name
+    runs = [Run(c, g, s, root / g.replace(":", "_").replace("/", "_") / c.label / f"seed{s}")
+            for g in games for c in kept for s in (args.seeds or exp.seeds)]
+    return exp, runs, notes
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    exp, runs, notes = plan(args)
+    todo = [r for r in runs if not (r.run_dir / "summary.json").is_file()]
+    if args.print_commands:
+        for note in notes:
+            print(note, file=sys.stderr)
+        for r in todo:
+            print(shlex.join(r.command(exp, args.total_timesteps, args.ranks)))
+        if len(todo) < len(runs):
+            print(f"note: {len(runs) - len(todo)} finished runs left out", file=sys.stderr)
+        return
+    for note in notes:
+        print(note)
+    for r in runs:
+        if r not in todo:
+            print(f"skip {r.run_dir} (summary.json exists)")
+    if not todo:
+        print("nothing to run")
+        return
+    gpus = gpu_count()
+    slots: Queue = Queue()  # a slot is a set of GPUs (or nothing on a CPU machine)
+    for i in range(args.parallel):
+        slots.put([str(g % gpus) for g in range(i * args.ranks, (i + 1) * args.ranks)]
+                  if gpus else [])
+    logs = Path(args.runs).resolve() / args.name / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def launch(i: int, r: Run) -> bool:
+        slot = slots.get()
+        try:
+            cmd = r.command(exp, args.total_timesteps, args.ranks)
+            log = logs / f"{r.run_dir.parent.parent.name}__{r.config.label}__seed{r.seed}.log"
+            run_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else env
+            print(f"[{i}/{len(todo)}] start {r.config.label} {r.game} seed {r.seed}"
+                  + (f" on GPU {','.join(slot)}" if slot else ""), flush=True)
+            t0 = time.time()
+            with open(log, "w") as f:
+                f.write(shlex.join(cmd) + "\n")
+                f.flush()
+                code = subprocess.run(cmd, cwd=ROOT, env=run_env, stdout=f,
+                                      stderr=subprocess.STDOUT).returncode
+            ok = code == 0 and (r.run_dir / "summary.json").is_file()
+            print(f"[{i}/{len(todo)}] {'done' if ok else f'FAILED (exit {code}), see {log}'}: "
+                  f"{r.config.label} {r.game} seed {r.seed}, {time.time() - t0:.0f} s",
+                  flush=True)
+            return ok
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        ok = list(pool.map(launch, range(1, len(todo) + 1), todo))
+    print(f"{sum(ok)} of {len(todo)} runs finished; plot with: python benchmarks/plot.py "
+          f"{Path(args.runs) / args.name}")
+    if not all(ok):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Learning curves and human-normalised scores from run directories.
+
+    python benchmarks/plot.py runs/experiments/many-envs [more dirs or runs ...] [--out DIR]
+
+Finds every run under the given paths (a directory with summary.json or TensorBoard events) and
+reads it with TensorBoard's EventAccumulator and its summary.json. A run's game is its --env-id;
+its configuration is the parent folder's name for experiments.py's layout (<config>/seed<k>),
+the script's name for a default run directory (<env>__<script>__<seed>__<time>), else the
+folder's own name.
+
+Curves (one PNG per game, <out>/<game>.png, and every plotted point in <out>/curves.csv): the
+true game score (charts/episodic_return: unclipped, all lives) as the running mean over each
+run's last --window games (100, as summary.json's mean_return_last100), against environment
+steps and against wall-clock hours since the run's first event. Per configuration, the line is
+the mean over seeds and the band spans the seeds' minimum to maximum (each seed interpolated
+linearly), from the earliest first to the earliest last point of the seeds (a curve ends where
+its shortest seed ends), at the runs' own logging points thinned to at most --points. Wall-clock
+hours include any pause of a resumed run.
+
+Scores: a run's final score is summary.json's mean_return_last100. Human-normalised score =
+(score - random) / (human - random) with the reference scores in benchmarks/atari_scores.py; per
+configuration and game, the mean over seeds; per configuration, the median over its games (the
+paper's summary statistic). Printed as markdown and written to <out>/scores.md; games without
+reference scores (Catch) get raw scores only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import atari_scores, registry  # noqa: E402
+
+
+@dataclass
+class Args:
+    paths: tyro.conf.Positional[tuple[str, ...]]
+    """run directories, or folders to search for them"""
+    out: str | None = None
+    """output folder; default <first path>/plots"""
+    window: int = 100
+    """games in each run's running mean"""
+    points: int = 200
+    """points per plotted line"""
+
+
+@dataclass
+class RunData:
+    path: Path
+    game: str
+    config: str
+    seed: int
+    score: float | None  # mean_return_last100
+    # (env steps, hours since the first event, true game score) per finished game
+    episodes: list[tuple[int, float, float]] = field(default_factory=list)
+
+    @property
+    def hns(self) -> float | None:
+        return atari_scores.human_normalised(self.game, self.score)
+
+
+def config_label(run_dir: Path) -> str:
+    if re.fullmatch(r"seed\d+", run_dir.name):
+        return run_dir.parent.name
+    parts = run_dir.name.split("__")
+    return parts[1] if len(parts) == 4 else run_dir.name
+
+
+def find_runs(paths: list[Path]) -> list[Path]:
+    found = set()
+    for p in paths:
+        for f in [*p.rglob("summary.json"), *p.rglob("events.out.tfevents.*")]:
+            if "checkpoints" not in f.parts:
+                found.add(f.parent)
+    return sorted(found)
+
+
+def load_run(run_dir: Path) -> RunData:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary_path, args_path = run_dir / "summary.json", run_dir / "args.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    run_args = summary.get("args") or (json.loads(args_path.read_text())
+                                       if args_path.is_file() else {})
+    events, starts = [], []
+    for f in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        try:
+            starts.append(acc.FirstEventTimestamp())
+        except ValueError:  # an empty file
+            continue
+        if "charts/episodic_return" in acc.Tags()["scalars"]:
+            events += acc.Scalars("charts/episodic_return")
+    t0 = min(starts, default=0.0)
+    # Games logged in one call share its step; give them one time too (the call's last).
+    logged = {}
+    for e in events:
+        logged[e.step] = max(logged.get(e.step, 0.0), e.wall_time)
+    events.sort(key=lambda e: (e.step, e.wall_time))  # the order the games were logged in
+    episodes = [(e.step, (logged[e.step] - t0) / 3600, e.value) for e in events]
+    return RunData(run_dir, run_args.get("env_id", "?"), config_label(run_dir),
+                   int(run_args.get("seed", 0)), summary.get("mean_return_last100"), episodes)
+
+
+def running_mean(values: np.ndarray, window: int) -> np.ndarray:
+    c = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def curves(runs: list[RunData], window: int, points: int) -> list[dict]:
+    """Mean, min and max over seeds per (game, config, axis), as rows for the CSV."""
+    rows = []
+    groups: dict[tuple[str, str], list[RunData]] = {}
+    for r in runs:
+        if r.episodes:
+            groups.setdefault((r.game, r.config), []).append(r)
+    for (game, config), members in sorted(groups.items()):
+        for axis, col in (("env_steps", 0), ("hours", 1)):
+            xs = [np.array([e[col] for e in r.episodes], float) for r in members]
+            ys = [running_mean(np.array([e[2] for e in r.episodes], float), window)
+                  for r in members]
+            lo, hi = min(x[0] for x in xs), min(x[-1] for x in xs)
+            grid = np.unique(np.concatenate(xs))  # the points the runs have, thinned
+            grid = grid[(grid >= lo) & (grid <= hi)]
+            if len(grid) > points:
+                grid = grid[np.linspace(0, len(grid) - 1, points).round().astype(int)]
+            # np.interp needs increasing x: repeated steps (games ending in one logging
+            # interval) keep their last value, which is the running mean after all of them.
+            stack = []
+            for x, y in zip(xs, ys):
+                ux, last = np.unique(x[::-1], return_index=True)
+                stack.append(np.interp(grid, ux, y[::-1][last]))
+            stack = np.array(stack)
+            for i, x in enumerate(grid):
+                rows.append({"game": game, "config": config, "axis": axis,
+                             "x": round(float(x), 6), "mean": round(float(stack[:, i].mean()), 4),
+                             "min": round(float(stack[:, i].min()), 4),
+                             "max": round(float(stack[:, i].max()), 4), "seeds": len(members)})
+    return rows
+
+
+def plot_games(rows: list[dict], out: Path, window: int) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for game in sorted({r["game"] for r in rows}):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, axis, label in ((axes[0], "env_steps", "environment steps"),
+                                (axes[1], "hours", "wall-clock hours")):
+            for config in sorted({r["config"] for r in rows if r["game"] == game}):
+                pts = [r for r in rows if (r["game"], r["config"], r["axis"]) == (game, config, axis)]
+                x = [p["x"] for p in pts]
+                line, = ax.plot(x, [p["mean"] for p in pts], "o-" if len(pts) == 1 else "-",
+                                label=f"{config} ({pts[0]['seeds']} seed{'s' * (pts[0]['seeds'] > 1)})")
+                ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts],
+                                color=line.get_color(), alpha=0.2)
+            ax.set_xlabel(label)
+            ax.set_ylabel(f"game score (mean of last {window} games)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{game}: mean over seeds, band = min to max over seeds", fontsize=10)
+        fig.tight_layout()
+        path = out / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', game)}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def score_tables(runs: list[RunData]) -> tuple[str, dict[str, float | None]]:
+    """Markdown: per run, then per configuration the median over games of the seed-mean HNS."""
+    lines = ["| configuration | game | seed | score (last 100 games) | human-normalised |",
+             "|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r.config, r.game, r.seed)):
+        score = "n/a" if r.score is None else f"{r.score:.2f}"
+        lines.append(f"| {r.config} | {r.game} | {r.seed} | {score} | "
+                     + ("n/a" if r.hns is None else f"{r.hns:.3f}") + " |")
+    medians: dict[str, float | None] = {}
+    lines += ["", "| configuration | games with reference scores | median human-normalised | "
+              "paper |", "|---|---|---|---|"]
+    for config in sorted({r.config for r in runs}):
+        per_game: dict[str, list[float]] = {}
+        for r in runs:
+            if r.config == config and r.hns is not None:
+                per_game.setdefault(r.game, []).append(r.hns)
+        means = [statistics.fmean(v) for v in per_game.values()]
+        medians[config] = statistics.median(means) if means else None
+        algo = registry.ALGOS.get(config)
+        paper = algo.paper_median if algo and algo.paper_median is not None else "-"
+        lines.append(f"| {config} | {len(means)} | "
+                     + ("n/a" if medians[config] is None else f"{medians[config]:.3f}")
+                     + f" | {paper} |")
+    return "\n".join(lines) + "\n", medians
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    paths = [Path(p) for p in args.paths]
+    if missing := [str(p) for p in paths if not p.exists()]:
+        print(f"error: no such path: {', '.join(missing)}", file=sys.stderr)
+        sys.exit(2)
+    run_dirs = find_runs(paths)
+    if not run_dirs:
+        print(f"error: no runs (summary.json or TensorBoard events) under "
+              f"{', '.join(map(str, paths))}", file=sys.stderr)
+        sys.exit(2)
+    out = Path(args.out) if args.out else paths[0] / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(d) for d in run_dirs]
+    rows = curves(runs, args.window, args.points)
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["game", "config", "axis", "x", "mean", "min", "max", "seeds"])
+        w.writeheader()
+        w.writerows(rows)
+    pngs = plot_games(rows, out, args.window)
+    table, _ = score_tables(runs)
+    (out / "scores.md").write_text(table)
+    print(table)
+    print(f"{len(runs)} runs; wrote {out / 'curves.csv'}, {out / 'scores.md'}, "
+          + ", ".join(str(p) for p in pngs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Scaling: the paper's Table 2 (hours for 50M steps on 1, 2, 4, 8 GPUs) measured on this machine.
+
+Each chosen configuration (benchmarks/registry.py) is launched under torchrun at each rank count
+with a huge --total-timesteps and trained for `--warmup` seconds after its first progress line
+(and, for replay-based scripts, until learning has started), then for `--seconds` more; then the
+torchrun agent gets SIGTERM, which every script handles by finishing its iteration, writing a
+checkpoint and exiting 0. A run that has not exited `--stop-timeout` seconds later is killed.
+
+Steady-state steps/s comes from the run's TensorBoard events (charts/SPS, one per logging
+interval; TensorBoard's EventAccumulator, the wall time of each event): the global steps between
+the first logging event after the warm-up and the last one, over the wall time between them.
+Phase shares are the run's time/* scalars (env, inference, learn, comm; APPO also sampler_wait,
+learner_wait) summed over the same intervals, over that wall time; for APPO, env and inference
+are the sampler process's and overlap the learner's time, so its shares may add up to more
+than 1. Projected hours = 50M / steps/s / 3600; speed-up = steps/s over the 1-rank (or smallest)
+rank count's; efficiency = speed-up / (ranks / that rank count).
+
+Rank counts: default 1, 2, 4, 8, each skipped with a one-line note when it does not fit: more
+ranks than GPUs (with --cuda on a GPU machine) or than CPU cores (on the CPU, gloo ranks).
+
+Run:
+    python benchmarks/scaling.py                                  # every configuration, GPUs
+    python benchmarks/scaling.py --algos a2c ppo --ranks 1 2 4 8 --env-id Breakout-v5
+    python benchmarks/scaling.py --no-cuda --ranks 1 2 --warmup 20 --seconds 40   # a CPU check
+Outputs (--out PREFIX, default benchmarks/results/scaling-<host>-<device>): PREFIX.json (every
+number, the commands, the hardware line), PREFIX.md (the table, laid out as the paper's Table 2
+with the paper's hours beside ours), PREFIX.png (steps/s against ranks, with the ideal line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import registry  # noqa: E402
+
+PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-interval progress line
+STEPS_50M = 50_000_000
+
+
+@dataclass
+class Args:
+    algos: tuple[str, ...] = tuple(registry.ALGOS)
+    """configurations to measure (benchmarks/registry.py); those whose script is missing are skipped"""
+    ranks: tuple[int, ...] = (1, 2, 4, 8)
+    """rank counts (torchrun --nproc_per_node); counts that do not fit the machine are skipped"""
+    env_id: str = "Pong-v5"
+    """game every run plays"""
+    warmup: float = 60.0
+    """seconds after a run's first progress line before measuring (replay: also until learning)"""
+    seconds: float = 120.0
+    """measured seconds after the warm-up; the run stops at its next logging interval after that"""
+    stop_timeout: float = 600.0
+    """seconds a run may take to stop after SIGTERM before it is killed (and reported failed)"""
+    cuda: bool = True
+    """GPUs (one per rank, NCCL) when present; --no-cuda: CPU ranks with gloo"""
+    seed: int = 1
+    """seed of every run"""
+    flags: str = ""
+    """extra flags for every run, e.g. --flags='--num-envs 32' (one string, split on spaces)"""
+    out: str | None = None
+    """output prefix; default benchmarks/results/scaling-<host>-<device>"""
+    keep_runs: str | None = None
+    """keep the run directories under this folder (default: a temporary folder, deleted)"""
+
+
+@dataclass
+class Result:
+    algo: str
+    ranks: int
+    cmd: str
+    returncode: int | None = None
+    steady_sps: float | None = None
+    steady_seconds: float | None = None
+    steady_steps: int | None = None
+    hours_50m: float | None = None
+    phase_share: dict = field(default_factory=dict)
+    speedup: float | None = None
+    efficiency: float | None = None
+    summary: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def hardware(use_cuda: bool) -> dict:
+    import torch
+
+    cpu = ""
+    try:
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = names[0].strip() if names else ""
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
+        if use_cuda and torch.cuda.is_available() else []
+    line = (f"{cpu or 'CPU'}, {os.cpu_count()} cores"
+            + (f", {len(gpus)} x {gpus[0]}" if gpus else ", no GPU used")
+            + f"; torch {torch.__version__}")
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpus": gpus,
+            "torch": torch.__version__, "line": line}
+
+
+def event_series(run_dir: Path) -> dict[str, list]:
+    """Every scalar tag of a run as [(wall_time, step, value)], via TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list] = {}
+    for f in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.wall_time, e.step, e.value) for e in acc.Scalars(tag))
+    return {k: sorted(v, key=lambda e: e[0]) for k, v in out.items()}
+
+
+def steady_state(run_dir: Path, start_step: int) -> dict:
+    """Steps/s and phase shares between the logging event at start_step and the last one."""
+    series = event_series(run_dir)
+    marks = [(t, s) for t, s, _ in series.get("charts/SPS", []) if s >= start_step]
+    if len(marks) < 2:
+        raise ValueError("fewer than 2 logging intervals after the warm-up: raise --seconds")
+    (t0, s0), (t1, s1) = marks[0], marks[-1]
+    seconds = t1 - t0
+    shares = {}
+    for tag, events in series.items():
+        if tag.startswith("time/"):
+            spent = sum(v for _, s, v in events if s0 < s <= s1)
+            shares[tag[len("time/"):]] = spent / seconds
+    return {"steady_sps": (s1 - s0) / seconds, "steady_seconds": seconds,
+            "steady_steps": s1 - s0, "phase_share": shares}
+
+
+def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) -> Result:
+    algo = registry.ALGOS[name]
+    flags = [*algo.flags, *algo.scale, *(() if use_cuda else algo.cpu), *args.flags.split()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={ranks}", str(registry.script_path(algo)), "--env-id", args.env_id,
+           "--seed", str(args.seed), "--total-timesteps", str(10**12), "--run-dir", str(run_dir),
+           "--cuda" if use_cuda else "--no-cuda", *flags]
+    res = Result(name, ranks, " ".join(cmd[1:]))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not use_cuda:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    lines: list[tuple[float, int]] = []  # (time.time(), global step) of each progress line
+    with tempfile.TemporaryFile("w+") as err:
+        # Its own session: a Ctrl-C here reaches only this script, which then stops the run.
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
+                                text=True, start_new_session=True)
+        reader = threading.Thread(target=lambda: [
+            lines.append((time.time(), int(m.group(1).replace(",", ""))))
+            for line in proc.stdout if (m := PROGRESS.search(line))], daemon=True)
+        reader.start()
+        start = stop_at = None
+        warm = None  # steps before steady state, from the run's resolved flags
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                if not lines or stop_at is not None:
+                    if stop_at is not None and time.time() >= stop_at:
+                        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
+                        break
+                    continue
+                if warm is None:
+                    run_args = json.loads((run_dir / "args.json").read_text())
+                    warm = registry.warm_steps(algo, run_args)
+                t_first = lines[0][0]
+                for t, step in list(lines):
+                    if t - t_first >= args.warmup and step > warm:
+                        start, stop_at = step, t + args.seconds
+                        break
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(args.stop_timeout)
+            raise
+        try:
+            proc.wait(args.stop_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            res.error = f"did not stop within {args.stop_timeout:g} s of SIGTERM; killed"
+        reader.join(5)
+        err.seek(0)
+        stderr = err.read()
+    # torchrun re-raises the SIGTERM it forwarded, so a clean stop exits 1 or -15 at the agent:
+    # a clean stop is "every rank stopped by the signal", seen in summary.json and the events.
+    res.returncode = proc.returncode
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        res.summary = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps", "world_size",
+                                             "device", "phase_seconds")}
+    if start is None:
+        res.error = res.error or ("exited before the warm-up ended: "
+                                  + (stderr.strip().splitlines() or ["no output"])[-1])
+        return res
+    try:
+        res.__dict__.update(steady_state(run_dir, start))
+        res.hours_50m = STEPS_50M / res.steady_sps / 3600
+    except ValueError as e:
+        res.error = res.error or str(e)
+    if not summary_path.is_file() and not res.error:
+        res.error = "no summary.json: the run did not stop cleanly: " + stderr.strip()[-300:]
+    return res
+
+
+def derived(results: list[Result]) -> None:
+    """Speed-up and efficiency against each configuration's smallest measured rank count."""
+    for name in {r.algo for r in results}:
+        ok = sorted((r for r in results if r.algo == name and r.steady_sps), key=lambda r: r.ranks)
+        for r in ok:
+            base = ok[0]
+            r.speedup = r.steady_sps / base.steady_sps
+            r.efficiency = r.speedup / (r.ranks / base.ranks)
+
+
+def markdown(results: list[Result], ranks: list[int], hw: dict, args: Args) -> str:
+    by = {(r.algo, r.ranks): r for r in results}
+    names = [n for n in args.algos if any(r.algo == n for r in results)]
+    cols = sorted(set(ranks) | set(registry.PAPER_RANKS))
+    out = [f"Hours for 50M steps (200M frames), {args.env_id}: ours (paper, DGX-1: P100 GPUs, "
+           "5 CPU cores each)", "",
+           "| algorithm | " + " | ".join(f"{c} rank{'s' * (c > 1)}" for c in cols) + " |",
+           "|---" * (len(cols) + 1) + "|"]
+    for n in names:
+        paper = dict(zip(registry.PAPER_RANKS, registry.ALGOS[n].paper_hours))
+        cells = []
+        for c in cols:
+            r = by.get((n, c))
+            ours = f"{r.hours_50m:,.1f}" if r and r.hours_50m else ("failed" if r else "-")
+            cells.append(f"{ours} ({paper[c] if paper.get(c) is not None else '-'})")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    phases = sorted({k for r in results for k in r.phase_share})
+    out += ["", "| algorithm | ranks | steps/s | hours/50M | speed-up | efficiency | "
+            + " | ".join(phases) + " |", "|---" * (6 + len(phases)) + "|"]
+    for n in names:
+        for c in ranks:
+            r = by.get((n, c))
+            if r is None:
+                continue
+            if not r.steady_sps:
+                out.append(f"| {n} | {c} | failed: {r.error} |")
+                continue
+            out.append(f"| {n} | {c} | {r.steady_sps:,.0f} | {r.hours_50m:,.1f} | "
+                       f"{r.speedup:.2f} | {r.efficiency:.2f} | "
+                       + " | ".join(f"{100 * r.phase_share[p]:.0f}%" if p in r.phase_share
+                                    else "" for p in phases) + " |")
+    out += ["", f"Hardware: {hw['line']}. Steady state: {args.seconds:g} s after a "
+            f"{args.warmup:g} s warm-up, from the runs' TensorBoard events; phases: share of that "
+            "wall time in each time/* scalar (APPO's env and inference run in its sampler "
+            "process, beside the learner)."]
+    return "\n".join(out) + "\n"
+
+
+def plot(results: list[Result], path: Path, hw: dict, env_id: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name in dict.fromkeys(r.algo for r in results):
+        ok = sorted((r for r in results if r.algo == name and r.steady_sps), key=lambda r: r.ranks)
+        if not ok:
+            continue
+        xs = [r.ranks for r in ok]
+        line, = ax.plot(xs, [r.steady_sps for r in ok], "o-", label=name)
+        ax.plot(xs, [ok[0].steady_sps * x / xs[0] for x in xs], "--", color=line.get_color(),
+                alpha=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("steady-state steps/s")
+    ax.set_title(f"Scaling on {env_id} (dashed: ideal, linear from the fewest ranks)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, hw["line"], fontsize=6)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    if error := registry.check_names(args.algos):
+        fail(error)
+    if not args.ranks or any(r < 1 for r in args.ranks):
+        fail(f"--ranks must be positive integers, got {' '.join(map(str, args.ranks))}")
+    if args.warmup < 0 or args.seconds <= 0:
+        fail("--warmup must be >= 0 and --seconds > 0")
+    from common import envs
+
+    try:
+        envs.ale_game(args.env_id)
+    except envs.EnvError as e:
+        fail(str(e))
+    import torch
+
+    use_cuda = args.cuda and torch.cuda.is_available()
+    capacity, unit = ((torch.cuda.device_count(), "GPUs") if use_cuda
+                      else (os.cpu_count() or 1, "CPU cores"))
+    ranks = []
+    for r in sorted(set(args.ranks)):
+        if r > capacity:
+            print(f"note: skipping {r} ranks: this machine has {capacity} {unit}")
+        else:
+            ranks.append(r)
+    if not ranks:
+        fail(f"no rank count fits this machine ({capacity} {unit})")
+    names = []
+    for n in args.algos:
+        if note := registry.missing_note(n):
+            print(note)
+        else:
+            names.append(n)
+    if not names:
+        fail("none of the chosen configurations has its script on disk")
+    hw = hardware(use_cuda)
+    print(f"hardware: {hw['line']}", flush=True)
+
+    results: list[Result] = []
+    keep = Path(args.keep_runs) if args.keep_runs else None
+    with tempfile.TemporaryDirectory(prefix="accelrl-scaling-") as tmp:
+        base = keep or Path(tmp)
+        for n in names:
+            for r in ranks:
+                run_dir = base / f"{n}__{r}ranks__{int(time.time())}"
+                print(f"measuring {n} on {r} rank{'s' * (r > 1)} ...", flush=True)
+                res = run_one(n, r, args, use_cuda, run_dir)
+                results.append(res)
+                print(f"  {res.steady_sps:,.0f} steps/s" if res.steady_sps
+                      else f"  failed: {res.error}", flush=True)
+    derived(results)
+    table = markdown(results, ranks, hw, args)
+    print("\n" + table)
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", hw["host"])
+    prefix = Path(args.out or ROOT / f"benchmarks/results/scaling-{host}-"
+                  f"{'cuda' if use_cuda else 'cpu'}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{**asdict(r), "paper_hours": dict(zip(registry.PAPER_RANKS,
+                                                  registry.ALGOS[r.algo].paper_hours))}
+            for r in results]
+    path = {ext: Path(f"{prefix}.{ext}") for ext in ("json", "md", "png")}  # host may hold dots
+    path["json"].write_text(json.dumps(
+        {"hardware": hw, "args": asdict(args), "device": "cuda" if use_cuda else "cpu",
+         "ranks": ranks, "results": rows, "table_markdown": table}, indent=2, default=str))
+    path["md"].write_text(table)
+    plot(results, path["png"], hw, args.env_id)
+    print(f"wrote {prefix}.json, .md, .png")
+    if any(r.steady_sps is None for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
