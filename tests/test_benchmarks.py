@@ -1,0 +1,157 @@
+"""The paper-reproduction benchmarks: experiments runner, plots and scores, scaling table.
+
+Kept small for CI: two tiny PPO configurations of the smoke experiment on the synthetic Catch
+game, and a scaling table of PPO on Catch at 1 and 2 gloo ranks with a few seconds each.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+from benchmarks import atari_scores, experiments, plot, registry, scaling  # noqa: E402
+
+CATCH = "tests.catch_env:Catch-v0"
+
+
+def bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def last_logged_step(run_dir) -> int:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    steps = []
+    for f in run_dir.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        steps += [e.step for e in acc.Scalars("charts/episodic_return")]
+    return max(steps)
+
+
+def test_smoke_experiment_end_to_end(tmp_path):
+    runs = tmp_path / "runs"
+    sweep = ("smoke", "--only", "ppo-4env", "ppo-16env", "--runs", str(runs))
+    printed = bench("experiments.py", *sweep, "--print-commands")
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("--resume auto" in line and CATCH in line for line in lines)
+
+    first = bench("experiments.py", *sweep, "--parallel", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_dirs = {c: runs / "smoke" / CATCH.replace(":", "_") / c / "seed1"
+                for c in ("ppo-4env", "ppo-16env")}
+    summaries = {c: json.loads((d / "summary.json").read_text()) for c, d in run_dirs.items()}
+    assert summaries["ppo-16env"]["args"]["num_envs"] == 16  # the configuration's flag won
+    assert summaries["ppo-4env"]["args"]["num_envs"] == 4
+    assert all(s["global_step"] == 512 for s in summaries.values())
+
+    again = bench("experiments.py", *sweep)  # a restarted sweep skips finished runs
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("(summary.json exists)") == 2 and "nothing to run" in again.stdout
+    assert bench("experiments.py", *sweep, "--print-commands").stdout == ""
+
+    out = tmp_path / "plots"
+    drawn = bench("plot.py", str(runs / "smoke"), "--out", str(out))
+    assert drawn.returncode == 0, drawn.stderr
+    png = out / f"{CATCH.replace(':', '_')}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rows = list(csv.DictReader(open(out / "curves.csv")))
+    for config, run_dir in run_dirs.items():
+        mine = [r for r in rows if r["config"] == config and r["axis"] == "env_steps"]
+        assert mine and all(r["game"] == CATCH and r["seeds"] == "1" for r in mine)
+        # the curve ends at the run's last logged game, on the run's own last-100 mean
+        assert float(mine[-1]["x"]) == last_logged_step(run_dir)
+        assert float(mine[-1]["mean"]) == pytest.approx(
+            summaries[config]["mean_return_last100"], abs=1e-4)
+        assert [r for r in rows if r["config"] == config and r["axis"] == "hours"]
+    assert "| ppo-4env | " in drawn.stdout  # the per-run score table
+
+
+def test_scaling_table_one_and_two_gloo_ranks(tmp_path):
+    prefix = tmp_path / "scaling"
+    proc = bench("scaling.py", "--algos", "ppo", "--ranks", "1", "2", "--env-id", CATCH,
+                 "--no-cuda", "--warmup", "1", "--seconds", "2", "--out", str(prefix),
+                 "--flags=--num-envs 2 --num-steps 16 --update-epochs 1 --num-minibatches 1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(prefix.with_suffix(".json").read_text())
+    one, two = res["results"]
+    assert (one["ranks"], two["ranks"]) == (1, 2) and not one["error"] and not two["error"]
+    assert one["summary"]["world_size"] == 1 and two["summary"]["world_size"] == 2
+    for r in (one, two):
+        assert r["steady_sps"] > 0 and r["steady_steps"] > 0
+        assert r["steady_sps"] == pytest.approx(r["steady_steps"] / r["steady_seconds"])
+        assert r["hours_50m"] == pytest.approx(50e6 / r["steady_sps"] / 3600)
+        assert set(r["phase_share"]) >= {"env", "inference", "learn", "comm"}
+        assert r["summary"]["global_step"] >= r["steady_steps"]  # stopped with a summary
+    assert one["speedup"] == 1.0
+    assert two["speedup"] == pytest.approx(two["steady_sps"] / one["steady_sps"])
+    assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
+    table = prefix.with_suffix(".md").read_text()
+    assert f"| ppo | {one['hours_50m']:,.1f} (4.4) | {two['hours_50m']:,.1f} (2.6) | - (1.5) |" \
+        in table
+    assert prefix.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
+    hns = atari_scores.human_normalised
+    assert hns("Pong-v5", 0.0) == pytest.approx(20.7 / 35.3)  # (0 + 20.7) / (14.6 + 20.7)
+    assert hns("ALE/Breakout-v5", 16.1) == pytest.approx(0.5)  # (16.1 - 1.7) / (30.5 - 1.7)
+    assert hns("SpaceInvadersNoFrameskip-v4", 1668.7) == pytest.approx(1.0)
+    assert hns("Skiing-v5", -17098.1) == pytest.approx(0.0)
+    assert hns(CATCH, 1.0) is None and len(atari_scores.SCORES) == 57
+    # Runs as experiments.py lays them out, with hand-made summaries: configuration A scores
+    # Pong 14.6 and -20.7 (seed mean of HNS 0.5), Breakout 16.1 (0.5), SpaceInvaders 1668.7 (1.0):
+    # median 0.5; B: Breakout 59.3 (2.0) and Pong 32.25 (1.5): median 1.75.
+    made = [("A", "Pong-v5", 1, 14.6), ("A", "Pong-v5", 2, -20.7), ("A", "Breakout-v5", 1, 16.1),
+            ("A", "SpaceInvaders-v5", 1, 1668.7), ("B", "Breakout-v5", 1, 59.3),
+            ("B", "Pong-v5", 1, 32.25), ("dqn-512", "Pong-v5", 1, -20.7)]
+    for config, game, seed, score in made:
+        d = tmp_path / "runs" / game / config / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(
+            {"mean_return_last100": score, "args": {"env_id": game, "seed": seed}}))
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(tmp_path / "runs")])
+    plot.main()
+    out = capsys.readouterr().out
+    assert "| A | 3 | 0.500 | - |" in out
+    assert "| B | 2 | 1.750 | - |" in out
+    assert "| dqn-512 | 1 | 0.000 | 1.4 |" in out  # beside the paper's median
+    assert "| A | Pong-v5 | 2 | -20.70 | 0.000 |" in out
+    assert "| B | Breakout-v5 | 1 | 59.30 | 2.000 |" in out
+
+
+@pytest.mark.parametrize("module, argv, message", [
+    (experiments, ["smoke-x"], "unknown experiment 'smoke-x'"),
+    (experiments, ["smoke", "--games", "Pongg"], "unknown Atari game 'Pongg-v5'"),
+    (experiments, ["smoke", "--only", "dqn-9"], "smoke has no configuration 'dqn-9'"),
+    (scaling, ["--ranks", "0"], "--ranks must be positive integers"),
+    (scaling, ["--ranks", "4096", "--no-cuda"], "no rank count fits this machine"),
+    (scaling, ["--algos", "ddpg"], "unknown configuration 'ddpg'"),
+    (scaling, ["--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
+    (plot, ["/no/such/runs"], "no such path"),
+])
+def test_bad_input_gives_one_line_error(module, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_registry_has_every_script_and_paper_numbers():
+    scripts = {a.script for a in registry.ALGOS.values()}
+    assert scripts == {"a2c_multigpu", "ppo_multigpu", "appo_async", "dqn_multigpu", "cat_dqn"}
+    assert all(a.kind in registry.ITERATION and len(a.paper_hours) == 4
+               for a in registry.ALGOS.values())
+    assert registry.ALGOS["a2c"].paper_hours == (3.8, 2.2, 1.2, 0.59)
+    assert registry.steps_per_iteration(registry.ALGOS["ppo"], {"num_envs": 8, "num_steps": 128},
+                                        4) == 4096
+    assert registry.warm_steps(registry.ALGOS["dqn-512"], {"learning_starts": 500}) == 500
