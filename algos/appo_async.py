@@ -61,7 +61,7 @@ class Args:
     num_envs: int = 8
     """environments per rank (paper: 8 per GPU for PPO and APPO)"""
     cuda: bool = True
-    """use cuda:LOCAL_RANK (gloo for the few collectives) when a GPU exists; --no-cuda forces the CPU"""
+    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     run_dir: str | None = None
     """output directory; default runs/<env>__appo_async__<seed>__<unix time>"""
     alternate: bool = False
@@ -99,9 +99,11 @@ class Args:
     update_epochs: int = 4
     """passes over each rollout (Atari: 3 in the PPO paper, 4 in CleanRL and baselines' ppo2)"""
     norm_adv: bool = True
-    """normalise advantages with this rank's rollout statistics (ranks do not wait for each other)"""
+    """normalise advantages with this rank's rollout statistics (ranks never wait for each
+    other inside an update)"""
     clip_coef: float = 0.1
-    """surrogate clipping epsilon (PPO paper, Atari); it also bounds the staleness of old rollouts"""
+    """surrogate clipping epsilon (PPO paper, Atari); it also bounds what a stale rollout can
+    do"""
     clip_vloss: bool = True
     """clip the value function update like the policy's (baselines' ppo2)"""
     ent_coef: float = 0.01
@@ -122,8 +124,9 @@ class Args:
     num_chunks: int = 3
     """chunks of the central parameters, each under its own lock (paper: 3)"""
     sampler_cores: tuple[int, ...] = ()
-    """CPU cores for each rank's sampler process (its emulators and inference); the learner then
-    runs on the other cores it may use. Empty: no pinning, all share the cores"""
+    """CPU cores for the sampler processes (emulators and inference), dealt out to the ranks of
+    the machine (local rank r of n takes every n-th from the r-th); the learners run on the
+    other cores. Empty: no pinning, everything shares the cores"""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -263,6 +266,9 @@ def main() -> None:
         dist.fail("appo_async.py runs on one machine (its central parameters live in that "
                   "machine's shared memory); for several machines use ppo_multigpu.py")
     allowed = os.sched_getaffinity(0)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = list(args.sampler_cores[world.local_rank::local_ranks] or args.sampler_cores)
+    learner_cores = allowed - set(args.sampler_cores)
     if not set(args.sampler_cores) <= allowed:
         dist.fail(f"--sampler-cores {list(args.sampler_cores)} are not all among the cores this "
                   f"process may use: {sorted(allowed)}")
@@ -271,7 +277,7 @@ def main() -> None:
     device = world.device
     env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
                       groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
-                      sticky_actions=args.sticky_actions, num_threads=len(args.sampler_cores))
+                      sticky_actions=args.sticky_actions, num_threads=len(cores))
     try:  # check the game here, with one message; the sampler process makes its own
         probe = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
     except envs.EnvError as e:
@@ -285,9 +291,9 @@ def main() -> None:
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = checkpoint.restore(state, world, model=agent)  # or 0
-    if args.sampler_cores and allowed - set(args.sampler_cores):  # disjoint cores: real overlap
-        os.sched_setaffinity(0, allowed - set(args.sampler_cores))
-        torch.set_num_threads(len(allowed - set(args.sampler_cores)))
+    if cores and learner_cores:  # disjoint cores: sampling and learning really overlap
+        os.sched_setaffinity(0, learner_cores)
+        torch.set_num_threads(max(1, len(learner_cores) // local_ranks))
 
     # Rank 0 writes the central state from its initial or resumed parameters; the others attach
     # to it by name once it exists, and rank 0 unlinks the names when all have attached.
@@ -300,16 +306,15 @@ def main() -> None:
         central.unlink()
     central.pull()
 
+    stop = checkpoint.StopRequest()  # before the sampler starts: a Ctrl-C from now on stops cleanly
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
     sampler = AsyncSampler(partial(Agent, num_actions), act, value, env_kwargs, args.num_steps,
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
-                           seed=int(seeds[0]), cores=list(args.sampler_cores),
-                           threads=max(1, len(args.sampler_cores)))
+                           seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)))
     logger = Logger(run_dir, world, args, state)
-    stop = checkpoint.StopRequest()
     version = 0  # updates this rank's learner has published to its sampler
     lag_sum, lag_max, trained, dropped = 0, 0, 0, 0  # over the whole run, all ranks
     if state:

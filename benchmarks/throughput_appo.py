@@ -79,7 +79,8 @@ def sampling_alone(args: Args, device: torch.device, num_actions: int) -> dict:
     """Rollouts per second from the sampler process when nobody trains: buffers go straight back."""
     torch.manual_seed(args.seed)
     agent = appo_async.Agent(num_actions).to(device)
-    env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs, num_threads=len(args.sampler_cores))
+    env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
+                      num_threads=len(args.sampler_cores))
     sampler = AsyncSampler(partial(appo_async.Agent, num_actions), appo_async.act,
                            appo_async.value, env_kwargs, args.num_steps,
                            envs.env_seeds(args.seed, 0, args.num_envs), agent, device,
@@ -202,7 +203,8 @@ def main() -> None:
     split = (f"sampler on cores {list(args.sampler_cores)}, learner on {learner_cores}"
              if args.sampler_cores else "no pinning")
     rows = [("measurement", "steps/s", "notes"), ("-", "-", "-"),
-            (f"sampling alone ({args.num_envs} envs x {args.num_steps}, APPO network)", f(s), split),
+            (f"sampling alone ({args.num_envs} envs x {args.num_steps}, APPO network)", f(s),
+             split),
             ("learning alone (APPO update, 4 epochs x 4 minibatches)", f(lrn), split),
             ("APPO end to end", f(appo),
              f"APPO / min = {r['appo_over_min']:.2f} (>= 0.9)" if appo else "failed"),

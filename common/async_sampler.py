@@ -75,7 +75,13 @@ class AsyncSampler:
             args=(os.getpid(), make_model, policy, value_fn, env_kwargs, T, seeds, device,
                   tuple(extras), clip_rewards, seed, cores, threads, self.buffers, self.params,
                   self.version, self.lock, self.free, self.full))
-        self.proc.start()
+        # The child starts deaf to Ctrl-C / SIGTERM (the mask survives exec) until it ignores
+        # them itself: a signal during its start-up must not look like a crash.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self.proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """New parameters for the sampler's next rollout, tagged with `version`."""
@@ -138,6 +144,7 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the learner stops us when it has saved
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     env_groups = []
     try:
         if cores:

@@ -1,4 +1,4 @@
-"""appo_async.py: central chunked-lock Adam, PPO's update, learning, torchrun with resume, faults."""
+"""appo_async.py: central chunked-lock Adam, PPO's update, learning, torchrun + resume, faults."""
 
 import os
 import signal
@@ -119,7 +119,8 @@ def test_gae_and_update_equal_ppo():
     batch = {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
              "actions": torch.randint(0, 6, (n,), generator=g),
              "logprob": -torch.rand(n, generator=g) * 2, "value": torch.randn(n, generator=g),
-             "advantages": torch.randn(n, generator=g) * 3 + 1, "returns": torch.randn(n, generator=g)}
+             "advantages": torch.randn(n, generator=g) * 3 + 1,
+             "returns": torch.randn(n, generator=g)}
     out = []
     for update in ("ppo", "appo"):
         torch.manual_seed(123)
