@@ -5,7 +5,7 @@ Reinforcement Learning", arXiv 1707.06887): the network gives, for every action,
 distribution over --num-atoms fixed returns z_0..z_{K-1} spread evenly on [--v-min, --v-max]. The
 target distribution of r + gamma^n Z(s', a') is projected back onto those atoms (Algorithm 1)
 and the loss is the cross-entropy of the prediction against it. As run in "Accelerated Methods
-for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Sec. 4.2, Table 2:
+for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Table 2:
 "CatDQN-2K", the paper's best median score, 2.9 human-normalised over 49 games): one process per
 GPU with batched epsilon-greedy inference over many emulators (Sec. 3.1), each rank with its own
 shard of the frame-deduplicated replay (common/replay.py), every update on gradients averaged
@@ -268,7 +268,8 @@ def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Opt
     Loss: cross-entropy -sum_k m_k log p_k(s, a) against the projected target m (C51, Algorithm
     1's last line), weighted by the importance weights. The gradient is averaged over ranks
     before clipping and the step, so R ranks on R batches take the step one process takes on
-    their union, and every rank stays identical. The per-sample cross-entropy is the priority.
+    their union, and every rank stays identical. The per-sample cross-entropy is the priority
+    (Rainbow prioritises by the KL divergence, which is this minus the target's entropy).
     """
     m = target_distribution(model, target, batch, args.double)  # [N, K]
     logits = model(batch["obs"])  # [N, A, K]
