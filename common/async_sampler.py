@@ -7,18 +7,16 @@ trains (rlpyt's asynchronous runner, after Stooke & Abbeel 2018, Sec. 3).
       publish(model, version)                       collects T steps into buffer j (batched
       release(i)                                    inference, common.sampler.Sampler), sends j
 
-With `num_buffers` >= 2 the sampler always has a buffer to fill while the learner trains on
-another, so neither waits for the other unless it is the faster one. The buffers, the published
-parameters and the version are tensors in shared memory (torch.multiprocessing: the sampler is a
-child of the learner), created once; only buffer indices and episode statistics go through
-queues. Buffers are on the CPU: on a GPU the sampler infers on the device and copies each
-rollout out once, and the learner copies it in once.
+With `num_buffers` >= 2 the sampler has a buffer to fill while the learner trains on another:
+only the faster of the two waits. Buffers, published parameters and version are CPU tensors in
+shared memory (the sampler is the learner's child), made once; only buffer indices and episode
+statistics go through queues. On a GPU the sampler infers on the device and copies each rollout
+out once; the learner copies it in once. Context "spawn": forking a process that already runs
+torch's and ALE's threads is unsafe.
 
-Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls the parent's pid), and
-ignores SIGINT/SIGTERM (its learner decides when to stop). The learner checks the sampler's
-liveness while it waits and raises SamplerDied with the exit code, or with the sampler's own
-traceback when it failed with an exception. The "spawn" context: forking a process that already
-runs torch's and ALE's threads is unsafe.
+Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls the parent's pid) and
+ignores SIGINT/SIGTERM (its learner decides when to stop). While it waits, the learner checks the
+sampler is alive, and raises SamplerDied with its exit code or its traceback.
 """
 
 from __future__ import annotations
@@ -44,9 +42,9 @@ class SamplerDied(RuntimeError):
 
 
 class AsyncSampler:
-    """`policy(model, obs)` -> (actions, extras) and `value_fn(model, obs)` -> values (or None)
-    are module-level functions; `make_model()` builds the sampler's copy of the network, whose
-    parameters come from `publish`. `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
+    """`policy(model, obs)` -> (actions, extras), `value_fn(model, obs)` -> values (or None):
+    module-level functions. `make_model()` builds the sampler's network, whose parameters and
+    buffers come from `publish`. `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
     keys plus `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (the behaviour
     policy's value of next_obs, for bootstrapping)."""
 
@@ -63,8 +61,7 @@ class AsyncSampler:
         # [num_buffers, ...] per key, in shared memory: buffer i is buffers[k][i]
         self.buffers = {k: torch.zeros((num_buffers, *s), dtype=d).share_memory_()
                         for k, (s, d) in shapes.items()}
-        self.params = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
-        self.params = self.params.clone().share_memory_()
+        self.params = _flat(model).share_memory_()
         self.version = torch.zeros(1, dtype=torch.int64).share_memory_()
         ctx = mp.get_context("spawn")
         self.lock, self.free, self.full = ctx.Lock(), ctx.Queue(), ctx.Queue()
@@ -85,7 +82,7 @@ class AsyncSampler:
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """New parameters for the sampler's next rollout, tagged with `version`."""
-        flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
+        flat = _flat(model)
         with self.lock:  # the sampler never copies half-written parameters
             self.params.copy_(flat)
             self.version[0] = version
@@ -130,6 +127,20 @@ class AsyncSampler:
             q.close()
 
 
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    """Parameters and buffers (e.g. a DQN's exploration epsilon) as one float32 CPU vector."""
+    return torch.cat([t.detach().reshape(-1).float().cpu()
+                      for t in (*model.parameters(), *model.buffers())])
+
+
+@torch.no_grad()
+def _unflat(flat: torch.Tensor, model: torch.nn.Module) -> None:
+    offset = 0
+    for t in (*model.parameters(), *model.buffers()):
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))  # a copy: never alias shared memory
+        offset += t.numel()
+
+
 def _die_with_parent(parent: int) -> None:
     try:  # Linux: SIGKILL this process when the thread that started it exits
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
@@ -169,19 +180,17 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
                 break
             waited = time.perf_counter() - t0
             with lock:
-                if int(version) != have:  # copy: the model must not alias the shared vector
-                    torch.nn.utils.vector_to_parameters(params.to(device, copy=True),
-                                                        model.parameters())
+                if int(version) != have:
+                    _unflat(params, model)
                     have = int(version)
             env0, inf0 = sampler.time_env, sampler.time_inference
             buf = {k: v[i] for k, v in buffers.items()}
             if device.type == "cpu":  # write straight into shared memory
                 sampler.buf = {k: buf[k] for k in sampler.buf}
-            out = sampler.collect(partial(policy, model),
-                                  value_fn and partial(value_fn, model))
-            with torch.no_grad():
-                out = {**out, "next_obs": sampler.next_obs}
-                if value_fn is not None:
+            out = {**sampler.collect(partial(policy, model), value_fn and partial(value_fn, model)),
+                   "next_obs": sampler.next_obs}
+            if value_fn is not None:
+                with torch.no_grad():
                     out["next_value"] = value_fn(model, sampler.next_obs)
             for k, v in out.items():
                 if buf[k].data_ptr() != v.data_ptr():
