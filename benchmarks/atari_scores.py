@@ -80,6 +80,10 @@ SCORES = {
     "Zaxxon": (32.5, 9173.3),
 }
 assert len(SCORES) == 57
+# The 8 games added after the Nature paper; the other 49 are its games (the paper's medians).
+LATER_8 = ("Berzerk", "Defender", "Phoenix", "Pitfall", "Skiing", "Solaris", "Surround",
+           "YarsRevenge")
+NATURE_49 = tuple(g for g in SCORES if g not in LATER_8)
 
 
 def game_name(env_id: str) -> str:

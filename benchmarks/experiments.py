@@ -17,7 +17,8 @@ Experiments (each configuration is a row of benchmarks/registry.py plus its own 
                  few thousand steps), on the synthetic Catch game: the whole pipeline on a CPU in
                  minutes.
 Default games: the paper's learning-curve games, as far as we know them without the PDF at
-hand (BeamRider, Breakout, Pong, Qbert, Seaquest, SpaceInvaders); default seeds 1 2 3.
+hand (BeamRider, Breakout, Pong, Qbert, Seaquest, SpaceInvaders); `--games atari49` runs the 49
+games of the paper's median human-normalised scores (`atari57`: all 57). Default seeds 1 2 3.
 
 Each run is `python algos/<script>.py ... --run-dir RUNS/NAME/<game>/<config>/seed<k>
 --resume auto`: a run whose summary.json exists is skipped, an interrupted one continues from
@@ -38,12 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Queue
+from typing import Annotated
 
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import registry  # noqa: E402
+from benchmarks import atari_scores, registry  # noqa: E402
 
 PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
                "SpaceInvaders-v5")
@@ -92,10 +94,11 @@ EXPERIMENTS = {
 
 @dataclass
 class Args:
-    name: tyro.conf.Positional[str]
+    name: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="NAME")]
     """experiment: many-envs, batch-size, sync-vs-async or smoke"""
     games: tuple[str, ...] | None = None
-    """games (Pong, Pong-v5, or any id the scripts accept); default: the experiment's"""
+    """games (Pong, Pong-v5, or any id the scripts accept; atari49: the paper's 49 games,
+    atari57: all 57); default: the experiment's"""
     seeds: tuple[int, ...] | None = None
     """seeds; default: the experiment's"""
     only: tuple[str, ...] | None = None
@@ -162,7 +165,8 @@ def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
         configs = [c for c in configs if c.label in args.only]
     if args.parallel < 1 or args.ranks < 1:
         fail("--parallel and --ranks must be at least 1")
-    games = [game_id(g) for g in (args.games or exp.games)]
+    sets = {"atari49": atari_scores.NATURE_49, "atari57": tuple(atari_scores.SCORES)}
+    games = [game_id(g) for name in (args.games or exp.games) for g in sets.get(name, (name,))]
     from common import envs
 
     for g in games:

@@ -33,6 +33,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import tyro
@@ -44,7 +45,7 @@ from benchmarks import atari_scores, registry  # noqa: E402
 
 @dataclass
 class Args:
-    paths: tyro.conf.Positional[tuple[str, ...]]
+    paths: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PATH")]
     """run directories, or folders to search for them"""
     out: str | None = None
     """output folder; default <first path>/plots"""

@@ -10,9 +10,10 @@ Steady-state steps/s comes from the run's TensorBoard events (charts/SPS, one pe
 interval; TensorBoard's EventAccumulator, the wall time of each event): the global steps between
 the first logging event after the warm-up and the last one, over the wall time between them.
 Phase shares are the run's time/* scalars (env, inference, learn, comm; APPO also sampler_wait,
-learner_wait) summed over the same intervals, over that wall time; for APPO, env and inference
-are the sampler process's and overlap the learner's time, so its shares may add up to more
-than 1. Projected hours = 50M / steps/s / 3600; speed-up = steps/s over the 1-rank (or smallest)
+learner_wait) summed over the same intervals, over that wall time, and "other" the rest
+(logging, checkpoints, bookkeeping); for APPO, env and inference are the sampler process's and
+overlap the learner's time, so its shares may add up to more than 1 and it gets no "other".
+On the CPU each rank gets cores / ranks torch threads (OMP_NUM_THREADS, unless it is set). Projected hours = 50M / steps/s / 3600; speed-up = steps/s over the 1-rank (or smallest)
 rank count's; efficiency = speed-up / (ranks / that rank count).
 
 Rank counts: default 1, 2, 4, 8, each skipped with a one-line note when it does not fit: more
@@ -131,7 +132,7 @@ def event_series(run_dir: Path) -> dict[str, list]:
     return {k: sorted(v, key=lambda e: e[0]) for k, v in out.items()}
 
 
-def steady_state(run_dir: Path, start_step: int) -> dict:
+def steady_state(run_dir: Path, start_step: int, overlapping: bool = False) -> dict:
     """Steps/s and phase shares between the logging event at start_step and the last one."""
     series = event_series(run_dir)
     marks = [(t, s) for t, s, _ in series.get("charts/SPS", []) if s >= start_step]
@@ -144,6 +145,8 @@ def steady_state(run_dir: Path, start_step: int) -> dict:
         if tag.startswith("time/"):
             spent = sum(v for _, s, v in events if s0 < s <= s1)
             shares[tag[len("time/"):]] = spent / seconds
+    if shares and not overlapping:  # synchronous scripts: one phase at a time
+        shares["other"] = 1 - sum(shares.values())
     return {"steady_sps": (s1 - s0) / seconds, "steady_seconds": seconds,
             "steady_steps": s1 - s0, "phase_share": shares}
 
@@ -170,9 +173,15 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
         reader.start()
         start = stop_at = None
         warm = None  # steps before steady state, from the run's resolved flags
+        give_up = time.time() + args.warmup + args.stop_timeout  # never wait forever for it
         try:
             while proc.poll() is None:
                 time.sleep(0.2)
+                if start is None and time.time() > give_up:
+                    res.error = (f"no steady state within {args.warmup + args.stop_timeout:g} s "
+                                 "(no progress, or learning never started); stopped")
+                    proc.send_signal(signal.SIGTERM)
+                    break
                 if not lines or stop_at is not None:
                     if stop_at is not None and time.time() >= stop_at:
                         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
@@ -212,7 +221,7 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
                                   + (stderr.strip().splitlines() or ["no output"])[-1])
         return res
     try:
-        res.__dict__.update(steady_state(run_dir, start))
+        res.__dict__.update(steady_state(run_dir, start, overlapping=algo.kind == "async"))
         res.hours_50m = STEPS_50M / res.steady_sps / 3600
     except ValueError as e:
         res.error = res.error or str(e)
@@ -247,7 +256,8 @@ def markdown(results: list[Result], ranks: list[int], hw: dict, args: Args) -> s
             ours = f"{r.hours_50m:,.1f}" if r and r.hours_50m else ("failed" if r else "-")
             cells.append(f"{ours} ({paper[c] if paper.get(c) is not None else '-'})")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    phases = sorted({k for r in results for k in r.phase_share})
+    phases = sorted({k for r in results for k in r.phase_share} - {"other"})
+    phases += ["other"] * any("other" in r.phase_share for r in results)
     out += ["", "| algorithm | ranks | steps/s | hours/50M | speed-up | efficiency | "
             + " | ".join(phases) + " |", "|---" * (6 + len(phases)) + "|"]
     for n in names:
@@ -296,7 +306,12 @@ def plot(results: list[Result], path: Path, hw: dict, env_id: str) -> None:
     plt.close(fig)
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt  # a SIGTERM here stops the current run cleanly, as Ctrl-C does
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupted)
     args = tyro.cli(Args)
     if error := registry.check_names(args.algos):
         fail(error)
