@@ -102,6 +102,59 @@ def test_central_adam_from_two_processes_loses_no_update():
         c2.unlink()
 
 
+class _Constant(torch.nn.Module):
+    """A policy that always takes action `w`: which parameters made a rollout is visible in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+
+def _constant_policy(model, obs):
+    return model.w.long().expand(obs.shape[0]).clone(), {}
+
+
+def test_async_sampler_rollouts_are_whole_and_labelled():
+    """Every rollout was made by the parameters of the version it reports, a buffer the learner
+    holds is never overwritten, and the trajectories are the synchronous Sampler's, step for step,
+    for the same seeds and the same per-rollout policies."""
+    from common import envs
+    from common.async_sampler import AsyncSampler
+    from common.sampler import Sampler
+    env_id, B, T = "tests.catch_env:Catch-v0", 4, 8
+    seeds = envs.env_seeds(5, 0, B)
+    model = _Constant()
+    sampler = AsyncSampler(_Constant, _constant_policy, None, {"env_id": env_id, "num_envs": B},
+                           T, seeds, model, torch.device("cpu"), num_buffers=2)
+    got = []
+    try:
+        held, info = sampler.get()
+        kept = {k: v.clone() for k, v in sampler.rollout(held).items()}
+        for version in (1, 2, 3, 4):
+            with torch.no_grad():
+                model.w.fill_(version % 3)
+            sampler.publish(model, version)
+            i, info2 = sampler.get()  # the other buffer: `held` is still ours
+            assert i != held
+            for k, v in sampler.rollout(held).items():
+                assert torch.equal(v, kept[k]), k
+            got.append((info["version"], kept))
+            sampler.release(held)
+            held, info, kept = i, info2, {k: v.clone() for k, v in sampler.rollout(i).items()}
+        got.append((info["version"], kept))
+    finally:
+        sampler.close()
+    assert got[0][0] == 0 and got[-1][0] >= 3  # fresh parameters did reach the sampler
+    sync = Sampler(envs.make_envs(env_id, B), T, torch.device("cpu"))
+    sync.reset(seeds)
+    for version, rollout in got:
+        assert torch.equal(rollout["actions"], torch.full((T, B), version % 3))
+        ref = sync.collect(lambda obs: (torch.full((obs.shape[0],), version % 3), {}))
+        for k in ("obs", "actions", "rewards", "terminated", "truncated"):
+            assert torch.equal(rollout[k], ref[k]), k
+        assert torch.equal(rollout["next_obs"], sync.next_obs)
+
+
 def test_gae_and_update_equal_ppo():
     """APPO's loss is PPO's: with one rank and one chunk, an update on a rollout gives PPO's
     parameters (torch's Adam there, the central Adam here), and GAE is the same function."""
