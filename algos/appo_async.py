@@ -306,7 +306,7 @@ def main() -> None:
         central.unlink()
     central.pull()
 
-    stop = checkpoint.StopRequest()  # before the sampler starts: a Ctrl-C from now on stops cleanly
+    stop = checkpoint.StopRequest()  # before the sampler starts: from now on Ctrl-C stops cleanly
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
     sampler = AsyncSampler(partial(Agent, num_actions), act, value, env_kwargs, args.num_steps,
