@@ -17,7 +17,10 @@ behaviour: the GPU against the cores) unless you ask for it.
 Targets: APPO e2e >= 0.9 x min(sampling, learning), each measured alone under the same split.
 Synchronous PPO, which samples then learns, is bound by 1 / (1/sampling + 1/learning).
 Shares of waiting (sampler waited for a free buffer, learner waited for a rollout) and the mean
-policy lag come from APPO's TensorBoard scalars over iterations 2+ (no start-up).
+policy lag come from APPO's TensorBoard scalars over iterations 2+ (no start-up). On a machine
+shared with other work the rates drift between measurements, so the same two rates are also
+taken inside the APPO run (steps over the sampler's busy seconds, env + inference, and over the
+learner's), and APPO is compared with their minimum too.
 
 Run:
     python benchmarks/throughput_appo.py --no-cuda                # about 4 minutes on 2 cores
@@ -126,8 +129,9 @@ def appo_e2e_details(run_dir: Path) -> dict:
     for f in run_dir.glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(f))
         acc.Reload()
-        for tag in ("time/sampler_wait", "time/learner_wait", "charts/policy_lag_mean",
-                    "charts/policy_lag_max", "charts/dropped_rollouts"):
+        for tag in ("time/sampler_wait", "time/learner_wait", "time/learn", "time/env",
+                    "time/inference", "charts/policy_lag_mean", "charts/policy_lag_max",
+                    "charts/dropped_rollouts"):
             if tag in acc.Tags()["scalars"]:
                 series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
     steps = sorted(series.get("charts/policy_lag_mean", {}))[1:]  # drop the first iteration
@@ -135,7 +139,8 @@ def appo_e2e_details(run_dir: Path) -> dict:
         return {}
     total = lambda tag: sum(series[tag][s] for s in steps)  # noqa: E731
     return {"iterations": len(steps), "sampler_wait_s": total("time/sampler_wait"),
-            "learner_wait_s": total("time/learner_wait"),
+            "learner_wait_s": total("time/learner_wait"), "learn_s": total("time/learn"),
+            "sampler_busy_s": total("time/env") + total("time/inference"),
             "policy_lag_mean": total("charts/policy_lag_mean") / len(steps),
             "policy_lag_max": max(series["charts/policy_lag_max"][s] for s in steps),
             "dropped_rollouts": series["charts/dropped_rollouts"][steps[-1]]}
@@ -197,6 +202,11 @@ def main() -> None:
          "sampler_wait_share": steady["sampler_wait_s"] / secs if steady and secs else None,
          "learner_wait_share": steady["learner_wait_s"] / secs if steady and secs else None,
          "policy_lag_mean": steady.get("policy_lag_mean")}
+    if steady and appo:  # the same two rates inside the APPO run, under the load of that moment
+        steps = res["appo_e2e"]["steady_steps"]
+        r["in_run_sampling"] = steps / steady["sampler_busy_s"]
+        r["in_run_learning"] = steps / steady["learn_s"]
+        r["appo_over_in_run_min"] = appo / min(r["in_run_sampling"], r["in_run_learning"])
     res["ratios"] = r
     f = lambda x: "n/a" if x is None else f"{x:,.0f}"  # noqa: E731
     p = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
@@ -212,6 +222,10 @@ def main() -> None:
                      f"{p(r['learner_wait_share'])}, mean policy lag "
                      + (f"{r['policy_lag_mean']:.2f}" if r["policy_lag_mean"] is not None
                         else "n/a")),
+            ("", "", "in the same run: sampler busy at {} steps/s, learner at {} steps/s; APPO / "
+                     "min = {}".format(f(r.get("in_run_sampling")), f(r.get("in_run_learning")),
+                                       f"{r['appo_over_in_run_min']:.2f}"
+                                       if "appo_over_in_run_min" in r else "n/a")),
             ("PPO end to end (synchronous, not pinned)", f(ppo),
              f"APPO / PPO = {r['appo_over_ppo']:.2f}; PPO's bound from the split rates "
              f"1/(1/S + 1/L) = {f(r['harmonic_bound'])}" if r["appo_over_ppo"] else "failed")]
