@@ -278,15 +278,16 @@ class GroupPolicy:
     alternating sampler, collect() asks for group 0, 1, 0, 1, ... (common/sampler.py), so the
     call count tells which columns a batch of observations belongs to."""
 
-    def __init__(self, model: QNetwork, groups: int):
-        self.model, self.groups, self.calls, self.eps = model, groups, 0, None
+    def __init__(self, model: QNetwork):
+        self.model, self.calls, self.eps = model, 0, None
 
     def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
         self.eps, self.calls = eps, 0
         return self
 
     def __call__(self, obs):
-        n, g = len(obs), self.calls % self.groups
+        n = len(obs)
+        g = self.calls % (len(self.eps) // n)  # groups = all envs / envs per call
         self.calls += 1
         return epsilon_greedy(self.model, obs, self.eps[g * n:(g + 1) * n]), {}
 
@@ -381,7 +382,7 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(model, len(env_groups))
+    policy = GroupPolicy(model)
     eval_sampler = Sampler(eval_envs, 64, device) if eval_envs else None
     logger = Logger(run_dir, world, args, state)
     stop = checkpoint.StopRequest()

@@ -59,6 +59,27 @@ def test_epsilon_schedules(dqn):
         assert dqn.epsilons(lin, step, 0, 1).tolist() == pytest.approx([e, e])
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_each_environment_explores_with_its_own_epsilon(dqn, groups):
+    """Columns 0-1 greedy (argmax is always action 0 here), columns 2-3 uniformly random, with
+    the plain and the alternating sampler (which asks for the two halves in turn)."""
+    from common import envs
+    from common.sampler import Sampler
+    net = dqn.QNetwork(3)
+    with torch.no_grad():
+        for p in net.head[-1].parameters():
+            p.zero_()
+        net.head[-1].bias[0] = 1.0
+    sampler = Sampler(envs.make_envs("tests.catch_env:Catch-v0", 4, groups=groups), 32,
+                      torch.device("cpu"))
+    sampler.reset(envs.env_seeds(0, 0, 4))
+    torch.manual_seed(0)
+    actions = sampler.collect(dqn.GroupPolicy(net).start(torch.tensor([0.0, 0.0, 1.0, 1.0])))[
+        "actions"]
+    assert (actions[:, :2] == 0).all()
+    assert set(actions[:, 2:].flatten().tolist()) == {0, 1, 2}
+
+
 def test_presets_fill_defaults_and_flags_override(dqn):
     args, _ = dqn.parse_args(["--preset", "eps-rainbow-512", "--learning-rate", "1e-4",
                               "--no-dueling"])
@@ -153,7 +174,7 @@ def test_torchrun_two_ranks_end_to_end_resume_and_refill(tmp_path):
     common = ["--env-id", "Breakout-v5", "--num-envs", "2", "--batch-size", "16",
               "--replay-size", "2000", "--learning-starts", "64", "--target-update-interval",
               "64", "--replay-ratio", "2", "--prioritized", "--n-step", "3", "--save-replay",
-              "--eps-schedule", "apex", "--eval-interval", "1", "--eval-envs", "2",
+              "--eps-schedule", "apex", "--alternate", "--eval-interval", "1", "--eval-envs", "2",
               "--eval-episodes", "1", "--eval-epsilon", "1.0", "--eval-max-steps", "1000",
               "--checkpoint-interval", "160", "--run-dir", str(run)]
     run_script("dqn_multigpu", *common, "--total-timesteps", "320", nproc=2)
