@@ -222,3 +222,33 @@ def test_bytes_per_transition_at_most_7_1_kb():
     replay = Replay(2 ** 14, 16, CPU, prioritized=True)
     assert replay.bytes_per_transition() <= 7100
     assert Replay(2 ** 14, 16, CPU).bytes_per_transition() == 84 * 84 + 11
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_truncated_episodes_bootstrap_from_the_final_observation_the_sampler_saw(groups):
+    """The scripts take final observations through the sampler's value_fn hook, in the order it
+    values them; with the alternating sampler too, they must land on the right (step, env)."""
+    B, R = 4, 8
+    sampler = Sampler(envs.make_envs("tests.catch_env:CatchTruncated-v0", B, groups=groups), R,
+                      CPU)
+    sampler.reset(envs.env_seeds(0, 0, B))
+    replay = Replay(40 * B, B, CPU, n_step=1, gamma=0.9)
+    finals, truth = [], {}
+    for i in range(4):
+        buf = sampler.collect(lambda o: (torch.randint(0, 3, (len(o),)), {}),
+                              value_fn=lambda o: finals.append(o) or torch.zeros(len(o)))
+        final_obs = torch.cat(finals) if finals else None
+        for k, (t, b) in enumerate(buf["truncated"].nonzero().tolist()):
+            truth[(i * R + t, b)] = final_obs[k]
+        replay.add(buf["obs"], buf["actions"], buf["rewards"], buf["terminated"],
+                   buf["truncated"], sampler.next_obs, final_obs)
+        finals.clear()
+    batch = replay.sample(400)
+    s, c = sampled_steps(replay, batch["indices"])
+    checked = 0
+    for i in range(len(s)):
+        if (int(s[i]), int(c[i])) in truth:
+            assert torch.equal(batch["next_obs"][i], truth[(int(s[i]), int(c[i]))])
+            assert batch["discounts"][i].item() == pytest.approx(0.9)
+            checked += 1
+    assert checked > 50
