@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     first = tyro.cli(Args, args=argv)
     if first.resume and first.resume != "auto":
+        if any(a == "--preset" or a.startswith("--preset=") for a in argv):
+            dist.fail("--preset does not apply to --resume RUN, which keeps the run's own flags; "
+                      "pass the flags to change instead")
         return cli.parse_args(Args, argv)
     types = {f.name: f.type for f in fields(Args)}
     flags = []

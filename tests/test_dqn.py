@@ -224,4 +224,6 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
     assert "--replay-size 100 gives 6 transitions per environment" in _bad(
         "--replay-size", "100", "--run-dir", run)
     assert "unknown Atari game 'Foo-v5'" in _bad("--env-id", "Foo-v5", "--run-dir", run)
+    assert "--preset does not apply to --resume RUN" in _bad(
+        "--resume", str(tmp_path / "old"), "--preset", "dqn-nature")
     assert not (tmp_path / "new").exists()  # no run directory is made for a failed start
