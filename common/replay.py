@@ -88,22 +88,20 @@ class Replay:
         self.max_priority = torch.ones((), dtype=torch.float64, device=device)
 
     # ---- bookkeeping ----
-    def _valid(self, steps: int | None = None) -> tuple[int, int]:
+    def _valid(self) -> tuple[int, int]:
         """Range [lo, hi] of sampleable step numbers (row = step % T) in every column."""
-        steps = self.steps if steps is None else steps
-        size = min(steps, self.T - 1)  # one row holds the pending next frame
-        history = 3 if steps > self.T - 1 else 0  # the oldest rows' history is overwritten
-        return steps - size + history, steps - self.n
+        size = min(self.steps, self.T - 1)  # one row holds the pending next frame
+        history = 3 if self.steps > self.T - 1 else 0  # the oldest rows' history is overwritten
+        return self.steps - size + history, self.steps - self.n
 
     def num_valid(self) -> int:
         lo, hi = self._valid()
         return max(0, hi - lo + 1) * self.B
 
     def bytes_per_transition(self) -> float:
-        per_slot = sum(x.element_size() for x in (self.actions, self.rewards, self.flags,
-                                                   self.final_idx)) + 84 * 84
-        tree = self.tree.tree.numel() * 8 / (self.T * self.B) if self.tree is not None else 0.0
-        return per_slot + tree + self.final_frames.numel() / (self.T * self.B)
+        extra = self.final_frames.numel() + (self.tree.tree.numel() * 8 if self.tree else 0)
+        return 84 * 84 + sum(x.element_size() for x in (self.actions, self.rewards, self.flags,
+                                                        self.final_idx)) + extra / (self.T * self.B)
 
     def _store_finals(self, rows: torch.Tensor, cols: torch.Tensor, frames: torch.Tensor) -> None:
         """Keep truncated episodes' final frames [k, 84, 84] for slots (rows, cols), reusing
