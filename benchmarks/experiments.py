@@ -21,19 +21,24 @@ hand (BeamRider, Breakout, Pong, Qbert, Seaquest, SpaceInvaders); `--games atari
 games of the paper's median human-normalised scores (`atari57`: all 57). Default seeds 1 2 3.
 
 Each run is `python algos/<script>.py ... --run-dir RUNS/NAME/<game>/<config>/seed<k>
---resume auto`: a run whose summary.json exists is skipped, an interrupted one continues from
-its newest checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a
+--resume auto`: a finished run (its summary.json exists and reached the run's total: a run
+stopped by a signal writes one too) is skipped, an interrupted one continues from its newest
+checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a
 time, each pinned to its own GPU(s) through CUDA_VISIBLE_DEVICES when there are GPUs; output
-goes to RUNS/NAME/logs/. `--print-commands` prints one shell line per unfinished run instead
+goes to RUNS/NAME/logs/. Ctrl-C (or SIGTERM) stops the running runs with a checkpoint (each
+gets one SIGTERM) and the same command later continues them. `--print-commands` prints one shell line per unfinished run instead
 (for a job array or GNU parallel). Plot with `python benchmarks/plot.py RUNS/NAME`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, registry  # noqa: E402
+from benchmarks.scaling import stop_ranks  # noqa: E402
 
 PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
                "SpaceInvaders-v5")
@@ -122,6 +128,14 @@ class Run:
     seed: int
     run_dir: Path
 
+    def finished(self, total: int | None) -> bool:
+        """summary.json exists and its step reached the total (the run's own when None)."""
+        try:
+            s = json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return s["global_step"] >= (total or s["args"]["total_timesteps"])
+
     def command(self, exp: Experiment, total: int | None, ranks: int) -> list[str]:
         algo = registry.ALGOS[self.config.algo]
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -187,10 +201,15 @@ def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
     return exp, runs, notes
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupted)
     args = tyro.cli(Args)
     exp, runs, notes = plan(args)
-    todo = [r for r in runs if not (r.run_dir / "summary.json").is_file()]
+    todo = [r for r in runs if not r.finished(args.total_timesteps or exp.total_timesteps)]
     if args.print_commands:
         for note in notes:
             print(note, file=sys.stderr)
@@ -203,7 +222,7 @@ def main() -> None:
         print(note)
     for r in runs:
         if r not in todo:
-            print(f"skip {r.run_dir} (summary.json exists)")
+            print(f"skip {r.run_dir} (finished: summary.json exists)")
     if not todo:
         print("nothing to run")
         return
@@ -216,7 +235,12 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
+    running: set[subprocess.Popen] = set()
+    stopping = threading.Event()
+
     def launch(i: int, r: Run) -> bool:
+        if stopping.is_set():
+            return False
         slot = slots.get()
         try:
             cmd = r.command(exp, args.total_timesteps, args.ranks)
@@ -228,9 +252,17 @@ def main() -> None:
             with open(log, "w") as f:
                 f.write(shlex.join(cmd) + "\n")
                 f.flush()
-                code = subprocess.run(cmd, cwd=ROOT, env=run_env, stdout=f,
-                                      stderr=subprocess.STDOUT).returncode
-            ok = code == 0 and (r.run_dir / "summary.json").is_file()
+                # Own session: a Ctrl-C reaches only this runner, which stops each run once.
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=f,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                running.add(proc)
+                code = proc.wait()
+                running.discard(proc)
+            ok = code == 0 and r.finished(args.total_timesteps or exp.total_timesteps)
+            if stopping.is_set() and not ok:
+                print(f"[{i}/{len(todo)}] stopped: {r.config.label} {r.game} seed {r.seed}",
+                      flush=True)
+                return False
             print(f"[{i}/{len(todo)}] {'done' if ok else f'FAILED (exit {code}), see {log}'}: "
                   f"{r.config.label} {r.game} seed {r.seed}, {time.time() - t0:.0f} s",
                   flush=True)
@@ -238,8 +270,19 @@ def main() -> None:
         finally:
             slots.put(slot)
 
-    with ThreadPoolExecutor(args.parallel) as pool:
+    pool = ThreadPoolExecutor(args.parallel)
+    try:
         ok = list(pool.map(launch, range(1, len(todo) + 1), todo))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every running run checkpoints and stops
+        stopping.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(running):
+            stop_ranks(proc, torchrun=args.ranks > 1)
+        for proc in list(running):
+            proc.wait()
+        print("interrupted: the same command continues the sweep", file=sys.stderr)
+        sys.exit(130)
+    pool.shutdown()
     print(f"{sum(ok)} of {len(todo)} runs finished; plot with: python benchmarks/plot.py "
           f"{Path(args.runs) / args.name}")
     if not all(ok):

@@ -2,9 +2,10 @@
 
 Each chosen configuration (benchmarks/registry.py) is launched under torchrun at each rank count
 with a huge --total-timesteps and trained for `--warmup` seconds after its first progress line
-(and, for replay-based scripts, until learning has started), then for `--seconds` more; then the
-torchrun agent gets SIGTERM, which every script handles by finishing its iteration, writing a
-checkpoint and exiting 0. A run that has not exited `--stop-timeout` seconds later is killed.
+(and, for replay-based scripts, until learning has started), then for `--seconds` more; then its
+ranks get SIGTERM, which every script handles by finishing its iteration, writing a checkpoint
+and exiting 0 (the signal goes to the ranks, not to torchrun's agent, which would kill them 30 s
+later). A run that has not exited `--stop-timeout` seconds later is killed.
 
 Steady-state steps/s comes from the run's TensorBoard events (charts/SPS, one per logging
 interval; TensorBoard's EventAccumulator, the wall time of each event): the global steps between
@@ -93,6 +94,7 @@ class Result:
     speedup: float | None = None
     efficiency: float | None = None
     summary: dict = field(default_factory=dict)
+    load_average: float | None = None  # 1-minute load average when the measurement ended
     error: str | None = None
 
 
@@ -112,11 +114,12 @@ def hardware(use_cuda: bool) -> dict:
         pass
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if use_cuda and torch.cuda.is_available() else []
+    load = os.getloadavg()[0]  # other work on the machine slows every number here
     line = (f"{cpu or 'CPU'}, {os.cpu_count()} cores"
             + (f", {len(gpus)} x {gpus[0]}" if gpus else ", no GPU used")
-            + f"; torch {torch.__version__}")
+            + f"; torch {torch.__version__}; load average {load:.1f} at the start")
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpus": gpus,
-            "torch": torch.__version__, "line": line}
+            "torch": torch.__version__, "load_average_1min": load, "line": line}
 
 
 def event_series(run_dir: Path) -> dict[str, list]:
@@ -151,6 +154,29 @@ def steady_state(run_dir: Path, start_step: int, overlapping: bool = False) -> d
             "steady_steps": s1 - s0, "phase_share": shares}
 
 
+def stop_ranks(agent: subprocess.Popen, torchrun: bool = True) -> None:
+    """SIGTERM to every rank: each finishes its iteration, checkpoints and exits 0, and torchrun
+    then exits 0. Not to the torchrun agent: it would forward the signal but kill its workers
+    30 s later, before a DQN-family rank on a slow machine reaches its next stop check. Without
+    torchrun (torchrun=False) the process is the rank itself."""
+    ranks = []
+    if not torchrun:
+        agent.send_signal(signal.SIGTERM)
+        return
+    for task in Path(f"/proc/{agent.pid}/task").glob("*"):
+        try:
+            ranks += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    if not ranks:  # no /proc (not Linux), or no worker yet: the agent forwards it
+        agent.send_signal(signal.SIGTERM)
+
+
 def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) -> Result:
     algo = registry.ALGOS[name]
     flags = [*algo.flags, *algo.scale, *(() if use_cuda else algo.cpu), *args.flags.split()]
@@ -180,11 +206,12 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
                 if start is None and time.time() > give_up:
                     res.error = (f"no steady state within {args.warmup + args.stop_timeout:g} s "
                                  "(no progress, or learning never started); stopped")
-                    proc.send_signal(signal.SIGTERM)
+                    stop_ranks(proc)
                     break
                 if not lines or stop_at is not None:
                     if stop_at is not None and time.time() >= stop_at:
-                        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the ranks
+                        res.load_average = os.getloadavg()[0]
+                        stop_ranks(proc)
                         break
                     continue
                 if warm is None:
@@ -196,7 +223,7 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
                         start, stop_at = step, t + args.seconds
                         break
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGTERM)
+            stop_ranks(proc)
             proc.wait(args.stop_timeout)
             raise
         try:
@@ -242,7 +269,7 @@ def derived(results: list[Result]) -> None:
 
 def markdown(results: list[Result], ranks: list[int], hw: dict, args: Args) -> str:
     by = {(r.algo, r.ranks): r for r in results}
-    names = [n for n in args.algos if any(r.algo == n for r in results)]
+    names = [n for n in registry.ALGOS if any(r.algo == n for r in results)]  # paper's order
     cols = sorted(set(ranks) | set(registry.PAPER_RANKS))
     out = [f"Hours for 50M steps (200M frames), {args.env_id}: ours (paper, DGX-1: P100 GPUs, "
            "5 CPU cores each)", "",
@@ -296,6 +323,9 @@ def plot(results: list[Result], path: Path, hw: dict, env_id: str) -> None:
                 alpha=0.5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ticks = sorted({r.ranks for r in results})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("ranks")
     ax.set_ylabel("steady-state steps/s")
     ax.set_title(f"Scaling on {env_id} (dashed: ideal, linear from the fewest ranks)", fontsize=9)
@@ -351,16 +381,23 @@ def main() -> None:
 
     results: list[Result] = []
     keep = Path(args.keep_runs) if args.keep_runs else None
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="accelrl-scaling-") as tmp:
         base = keep or Path(tmp)
-        for n in names:
-            for r in ranks:
-                run_dir = base / f"{n}__{r}ranks__{int(time.time())}"
-                print(f"measuring {n} on {r} rank{'s' * (r > 1)} ...", flush=True)
-                res = run_one(n, r, args, use_cuda, run_dir)
-                results.append(res)
-                print(f"  {res.steady_sps:,.0f} steps/s" if res.steady_sps
-                      else f"  failed: {res.error}", flush=True)
+        try:
+            for n in names:
+                for r in ranks:
+                    run_dir = base / f"{n}__{r}ranks__{int(time.time())}"
+                    print(f"measuring {n} on {r} rank{'s' * (r > 1)} ...", flush=True)
+                    res = run_one(n, r, args, use_cuda, run_dir)
+                    results.append(res)
+                    print(f"  {res.steady_sps:,.0f} steps/s" if res.steady_sps
+                          else f"  failed: {res.error}", flush=True)
+        except KeyboardInterrupt:  # the current run was stopped cleanly; keep what was measured
+            interrupted = True
+            print("interrupted: writing the runs measured so far", file=sys.stderr)
+    if not results:
+        sys.exit(130)
     derived(results)
     table = markdown(results, ranks, hw, args)
     print("\n" + table)
@@ -378,6 +415,8 @@ def main() -> None:
     path["md"].write_text(table)
     plot(results, path["png"], hw, args.env_id)
     print(f"wrote {prefix}.json, .md, .png")
+    if interrupted:
+        sys.exit(130)
     if any(r.steady_sps is None for r in results):
         sys.exit(1)
 

@@ -54,7 +54,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
 
     again = bench("experiments.py", *sweep)  # a restarted sweep skips finished runs
     assert again.returncode == 0, again.stderr
-    assert again.stdout.count("(summary.json exists)") == 2 and "nothing to run" in again.stdout
+    assert again.stdout.count("(finished: summary.json exists)") == 2 and "nothing to run" in again.stdout
     assert bench("experiments.py", *sweep, "--print-commands").stdout == ""
 
     out = tmp_path / "plots"
