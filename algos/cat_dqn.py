@@ -386,6 +386,10 @@ def main() -> None:
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = checkpoint.restore(state, world, model=model, optimizer=optimizer,
                                      target=target)  # or 0
+    if not torch.equal(model.support.cpu(), support):  # the atoms came from the checkpoint
+        dist.fail(f"the checkpoint's support [{model.support[0]:g}, {model.support[-1]:g}] "
+                  f"differs from --v-min {args.v_min:g} --v-max {args.v_max:g}: a run keeps "
+                  "its atoms")
     counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
                 "generated": 0, "evals": 0}  # "generated": steps taken while learning was on
     if state is not None:

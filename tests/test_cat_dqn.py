@@ -271,6 +271,9 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     assert -10 <= q <= 10  # an expectation over the support
     eps = _scalars(run, "charts/epsilon")[-1][1]  # rank 0's envs: i = 0, 1 of N = 4 (apex)
     assert eps == pytest.approx((0.4 + 0.4 ** (1 + 7 / 3)) / 2)
+    # the atoms are part of the model: a resume cannot move them
+    assert "support [-10, 10] differs from --v-min -10 --v-max 20" in expect_error(
+        "cat_dqn", "--resume", str(run), "--v-max", "20")
 
 
 def test_bad_inputs_give_one_clear_line(tmp_path):
