@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     first = tyro.cli(Args, args=argv)
     if first.resume and first.resume != "auto":
+        if any(a == "--preset" or a.startswith("--preset=") for a in argv):
+            dist.fail("--preset does not apply to --resume RUN, which keeps the run's own flags; "
+                      "pass the flags to change instead")
         return cli.parse_args(Args, argv)
     types = {f.name: f.type for f in fields(Args)}
     flags = []
@@ -311,17 +314,19 @@ def epsilons(args: Args, global_step: int, rank: int, world_size: int) -> torch.
 class GroupPolicy:
     """The sampler's policy: epsilon-greedy on expected returns, one epsilon per environment
     column. With --alternate, collect() asks for group 0, 1, 0, 1, ... (common/sampler.py), so
-    the call count tells which columns a batch of observations belongs to."""
+    the call count tells which columns a batch of observations belongs to; the evaluation
+    sampler has one group, so the number of groups is read from eps, not fixed."""
 
-    def __init__(self, model: C51Network, groups: int):
-        self.model, self.groups, self.calls, self.eps = model, groups, 0, None
+    def __init__(self, model: C51Network):
+        self.model, self.calls, self.eps = model, 0, None
 
     def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
         self.eps, self.calls = eps, 0
         return self
 
     def __call__(self, obs):
-        n, g = len(obs), self.calls % self.groups
+        n = len(obs)
+        g = self.calls % (len(self.eps) // n)  # groups = all columns / columns per call
         self.calls += 1
         q = self.model.q_values(obs)  # [n, A]
         explore = torch.rand(n, device=obs.device) < self.eps[g * n:(g + 1) * n]
@@ -427,7 +432,7 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(model, len(env_groups))
+    policy = GroupPolicy(model)
     eval_sampler = Sampler(eval_envs, 64, device) if eval_envs else None
     logger = Logger(run_dir, world, args, state)
     stop = checkpoint.StopRequest()

@@ -140,6 +140,27 @@ def test_target_distribution_picks_the_action_by_expected_value(c51):
     assert not torch.equal(online.q_values(None).argmax(1), target.q_values(None).argmax(1))
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_each_environment_explores_with_its_own_epsilon(c51, groups):
+    """Columns 0-1 greedy (action 0 has the highest expected return here), columns 2-3 uniformly
+    random, with the plain and the alternating sampler (which asks for the halves in turn)."""
+    from common import envs
+    from common.sampler import Sampler
+    net = c51.C51Network(3, torch.linspace(-10.0, 10.0, 51))
+    with torch.no_grad():
+        for p in net.head[-1].parameters():
+            p.zero_()
+        net.head[-1].bias.view(3, 51)[0, -1] = 5.0  # action 0: mass on v_max
+    sampler = Sampler(envs.make_envs("tests.catch_env:Catch-v0", 4, groups=groups), 32,
+                      torch.device("cpu"))
+    sampler.reset(envs.env_seeds(0, 0, 4))
+    torch.manual_seed(0)
+    actions = sampler.collect(c51.GroupPolicy(net).start(torch.tensor([0.0, 0.0, 1.0, 1.0])))[
+        "actions"]
+    assert (actions[:, :2] == 0).all()
+    assert set(actions[:, 2:].flatten().tolist()) == {0, 1, 2}
+
+
 def test_presets_fill_defaults_and_flags_override(c51):
     default, _ = c51.parse_args([])
     assert default.preset == "catdqn-2k" and default.batch_size == 2048
@@ -234,9 +255,9 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     common = ["--env-id", "Breakout-v5", "--num-envs", "2", "--num-steps", "4", "--batch-size",
               "16", "--replay-size", "2000", "--learning-starts", "64", "--target-update-interval",
               "64", "--replay-ratio", "2", "--prioritized", "--n-step", "3", "--double",
-              "--save-replay", "--eps-schedule", "apex", "--eval-interval", "1", "--eval-envs",
-              "2", "--eval-episodes", "1", "--eval-epsilon", "1.0", "--eval-max-steps", "1000",
-              "--checkpoint-interval", "160", "--run-dir", str(run)]
+              "--save-replay", "--eps-schedule", "apex", "--alternate", "--eval-interval", "1",
+              "--eval-envs", "2", "--eval-episodes", "1", "--eval-epsilon", "1.0",
+              "--eval-max-steps", "1000", "--checkpoint-interval", "160", "--run-dir", str(run)]
     run_script("cat_dqn", *common, "--total-timesteps", "320", nproc=2)
     s = read_summary(run)
     assert s["global_step"] == 320 and s["world_size"] == 2 and s["device"] == "cpu"
@@ -280,4 +301,6 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
     run = str(tmp_path / "new")
     assert "need --num-atoms >= 2 and --v-min < --v-max, got 51 atoms on [5.0, -5.0]" in \
         expect_error("cat_dqn", "--v-min", "5", "--v-max", "-5", "--run-dir", run)
+    assert "--preset does not apply to --resume RUN" in expect_error(
+        "cat_dqn", "--resume", str(tmp_path / "old"), "--preset", "c51-nature")
     assert not (tmp_path / "new").exists()  # no run directory is made for a failed start
