@@ -20,14 +20,15 @@ Presets (--preset; flags on the command line override them):
   catdqn-2k   (default) the paper's CatDQN-2K: batch 2048 per rank, Adam epsilon 0.01/2048 (the
               authors' code: 0.01/batch for C51), replay ratio 8 (Nature's batch 32 every 4
               steps); everything else from the C51 paper. Learning rate 2.5e-4, C51's, not
-              scaled with the batch: as in dqn_multigpu.py, the authors' code keeps the batch-32
-              rate and divides Adam's epsilon by the batch instead; we could not find the
-              paper's CatDQN-2K rate, so this is our choice.
+              scaled with the batch, by the rule dqn_multigpu.py takes from the authors'
+              eps-Rainbow-512 (batch-32 rate, Adam epsilon divided by the batch); we could not
+              find the paper's CatDQN-2K rate, so this is our choice.
   c51-nature  Bellemare et al. 2017's settings: batch 32, Adam lr 2.5e-4 with epsilon 0.01/32,
               otherwise Nature DQN's (Mnih et al. 2015): target copied every 10,000 updates
               (40,000 steps), learning starts at 50,000 steps, epsilon 1 -> 0.01 over 1M frames.
 Both: 51 atoms on [-10, 10] (C51), target every 40,000 steps, learning from step 50,000, linear
-epsilon 1 -> 0.01 over 250,000 steps (1M frames), evaluation epsilon 0.001 (C51, Sec. 5).
+epsilon 1 -> 0.01 over 250,000 steps (1M frames), evaluation epsilon 0.001 (Rainbow, Hessel et
+al. 2018).
 Exploration (--eps-schedule linear|apex) and evaluation work exactly as in dqn_multigpu.py.
 
 Launch:
@@ -157,7 +158,7 @@ class Args:
     eval_interval: int = 25
     """logging intervals between greedy evaluations; 0 turns evaluation off"""
     eval_epsilon: float = 0.001
-    """exploration during evaluation (C51, Rainbow: 0.001)"""
+    """exploration during evaluation (Rainbow: 0.001; Nature: 0.05)"""
     eval_envs: int = 4
     """evaluation environments per rank, separate from the training ones"""
     eval_episodes: int = 8
