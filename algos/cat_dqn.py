@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None):
 
 
 class C51Network(nn.Module):
-    """Nature-DQN torso (Mnih et al. 2015) with atom logits for every action (C51, Sec. 5)."""
+    """Nature-DQN torso (Mnih et al. 2015) with atom logits for every action (as C51 used it)."""
 
     def __init__(self, num_actions: int, support: torch.Tensor, dueling: bool = False):
         super().__init__()
