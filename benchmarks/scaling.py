@@ -235,9 +235,12 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
         reader.join(5)
         err.seek(0)
         stderr = err.read()
-    # torchrun re-raises the SIGTERM it forwarded, so a clean stop exits 1 or -15 at the agent:
-    # a clean stop is "every rank stopped by the signal", seen in summary.json and the events.
+    # A clean stop: every rank checkpointed and exited 0, so torchrun exits 0, and rank 0
+    # wrote summary.json.
     res.returncode = proc.returncode
+    if proc.returncode != 0 and not res.error:
+        res.error = (f"torchrun exited {proc.returncode}: "
+                     + (stderr.strip().splitlines() or ["no output"])[-1])
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         s = json.loads(summary_path.read_text())
@@ -325,7 +328,7 @@ def plot(results: list[Result], path: Path, hw: dict, env_id: str) -> None:
     ax.set_yscale("log")
     ticks = sorted({r.ranks for r in results})
     ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("ranks")
     ax.set_ylabel("steady-state steps/s")
     ax.set_title(f"Scaling on {env_id} (dashed: ideal, linear from the fewest ranks)", fontsize=9)

@@ -85,6 +85,7 @@ def test_scaling_table_one_and_two_gloo_ranks(tmp_path):
     assert (one["ranks"], two["ranks"]) == (1, 2) and not one["error"] and not two["error"]
     assert one["summary"]["world_size"] == 1 and two["summary"]["world_size"] == 2
     for r in (one, two):
+        assert r["returncode"] == 0  # every rank stopped by SIGTERM with a checkpoint
         assert r["steady_sps"] > 0 and r["steady_steps"] > 0
         assert r["steady_sps"] == pytest.approx(r["steady_steps"] / r["steady_seconds"])
         assert r["hours_50m"] == pytest.approx(50e6 / r["steady_sps"] / 3600)
