@@ -16,6 +16,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see a
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+# The environment of every script a test starts: one torch thread each (tests run in parallel),
+# and a crash (SIGABRT, SIGSEGV) prints the Python stack of every thread.
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 sys.path.insert(0, str(ROOT))
 
 
@@ -31,7 +34,7 @@ def load_algo(name: str):
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run algos/<script>.py with plain python (nproc=1) or torchrun (nproc>1), on the CPU."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CHILD_ENV}
     path = str(ROOT / "algos" / f"{script}.py")
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -95,7 +98,7 @@ def expect_error(script: str, *args: str) -> str:
 
 def start_training(script: str, *args: str, nproc: int = 1):
     """Start a long run and return (process, its output so far) once training is under way."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CHILD_ENV}
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable])
     proc = subprocess.Popen(launcher + [str(ROOT / "algos" / f"{script}.py"), "--no-cuda", *args],

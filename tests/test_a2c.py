@@ -115,7 +115,7 @@ def test_a2c_learns_catch(tmp_path):
     run = tmp_path / "run"
     run_script("a2c_multigpu", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
                "--total-timesteps", "32000", "--learning-rate", "7e-3",
-               "--run-dir", str(run), timeout=400)
+               "--run-dir", str(run), timeout=900)
     s = read_summary(run)
     assert s["episodes"] > 5000
     assert s["mean_return_last100"] > 0.7

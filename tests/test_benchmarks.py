@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import CHILD_ENV, ROOT
 
 from benchmarks import atari_scores, experiments, plot, registry, scaling  # noqa: E402
 
@@ -20,7 +20,7 @@ CATCH = "tests.catch_env:Catch-v0"
 
 
 def bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CHILD_ENV}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -111,7 +111,7 @@ def test_ppo_learns_catch(tmp_path):
     run = tmp_path / "run"
     run_script("ppo_multigpu", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
                "--total-timesteps", "16384", "--num-steps", "32", "--learning-rate", "1e-3",
-               "--run-dir", str(run), timeout=400)
+               "--run-dir", str(run), timeout=900)
     s = read_summary(run)
     assert s["episodes"] > 2000
     assert s["mean_return_last100"] > 0.8

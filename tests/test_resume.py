@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, load_algo, read_summary, run_script, run_two_ranks
+from tests.conftest import CHILD_ENV, ROOT, load_algo, read_summary, run_script, run_two_ranks
 
 CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-steps", "16")
 
@@ -38,7 +38,7 @@ def _model(path: Path) -> dict:
 
 def _launch(args, nproc=1, restarts=0, cwd=ROOT, script="ppo_multigpu"):
     """Start a script as a user would, in its own process group (so nothing can outlive a test)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CHILD_ENV}
     path = str(ROOT / "algos" / f"{script}.py")
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", path] if nproc > 1
