@@ -45,7 +45,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -56,7 +56,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import tyro  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import checkpoint, cli, dist, envs  # noqa: E402
@@ -174,29 +173,6 @@ PRESETS = {  # sources in the module docstring
 }
 
 
-def parse_args(argv: list[str] | None = None):
-    """cli.parse_args with the preset's values as defaults: they go in front of the command
-    line, where later flags win. `--resume RUN` takes the run's own resolved flags (args.json)
-    instead; `--resume auto` and torchrun restarts repeat the first launch's command line, so
-    the same preset flags resolve to the same values."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    first = tyro.cli(Args, args=argv)
-    if first.resume and first.resume != "auto":
-        if any(a == "--preset" or a.startswith("--preset=") for a in argv):
-            dist.fail("--preset does not apply to --resume RUN, which keeps the run's own flags; "
-                      "pass the flags to change instead")
-        return cli.parse_args(Args, argv)
-    types = {f.name: f.type for f in fields(Args)}
-    flags = []
-    for name, value in PRESETS[first.preset].items():
-        flag = "--" + name.replace("_", "-")
-        if types[name] in (bool, "bool"):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            flags += [flag, repr(value) if isinstance(value, float) else str(value)]
-    return cli.parse_args(Args, flags + argv)
-
-
 class QNetwork(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015) with a Q head, or dueling value and advantage heads."""
 
@@ -310,7 +286,7 @@ def evaluate(policy: GroupPolicy, sampler: Sampler, args: Args, seeds) -> list[f
 
 
 def main() -> None:
-    args, world = parse_args()  # joins the process group; on resume, the run's flags
+    args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
     for name in ("batch_size", "replay_size", "n_step", "target_update_interval", "eval_envs"):
         if getattr(args, name) <= 0:
             dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -15,15 +15,19 @@ import tyro
 from common import checkpoint, dist, envs
 
 
-def parse_args(cls, argv: list[str] | None = None):
+def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
     """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags.
 
     Returns (args, world). Rank 0 chooses the run (`checkpoint.locate`) and, when it continues
     one, reads that run's saved flags (args.json) and sends them to every rank (other nodes may
     not see its disk): they become the defaults, and the command line overrides them, so
     `--resume RUN_DIR` alone continues the run as it was launched. On return `args.run_dir` is
-    the run directory and `args.resume` the checkpoint file to load (or None).
+    the run directory and `args.resume` the checkpoint file to load (or None). `presets`: the
+    values each `--preset` name stands for (the DQN family's documented configurations).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if presets:
+        argv = _with_preset(cls, argv, presets)
     args = tyro.cli(cls, args=argv)
     world = dist.setup(args.cuda, args.collective_timeout)
     script = Path(sys.modules[cls.__module__].__file__).stem
@@ -62,3 +66,23 @@ def parse_args(cls, argv: list[str] | None = None):
     except envs.EnvError as e:
         dist.fail(str(e))
     return args, world
+
+
+def _with_preset(cls, argv: list[str], presets: dict[str, dict]) -> list[str]:
+    """The chosen preset's values as flags in front of the command line, where later flags win.
+    `--resume RUN` keeps the run's own resolved flags (args.json) instead; `--resume auto` and
+    torchrun restarts repeat the first launch's command line, so they resolve the same way."""
+    first = tyro.cli(cls, args=argv)
+    if first.resume and first.resume != "auto":
+        if any(a == "--preset" or a.startswith("--preset=") for a in argv):
+            dist.fail("--preset does not apply to --resume RUN, which keeps the run's own flags; "
+                      "pass the flags to change instead")
+        return argv
+    flags = []
+    for name, value in presets[first.preset].items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return flags + argv

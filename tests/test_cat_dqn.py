@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from common import cli
 from tests.conftest import expect_error, load_algo, read_summary, run_script, run_two_ranks
 
 
@@ -162,11 +163,12 @@ def test_each_environment_explores_with_its_own_epsilon(c51, groups):
 
 
 def test_presets_fill_defaults_and_flags_override(c51):
-    default, _ = c51.parse_args([])
+    default, _ = cli.parse_args(c51.Args, [], presets=c51.PRESETS)
     assert default.preset == "catdqn-2k" and default.batch_size == 2048
     assert default.adam_eps == pytest.approx(0.01 / 2048) and default.replay_ratio == 8
     assert (default.num_atoms, default.v_min, default.v_max) == (51, -10.0, 10.0)
-    nature, _ = c51.parse_args(["--preset", "c51-nature", "--learning-rate", "1e-4", "--double"])
+    nature, _ = cli.parse_args(c51.Args, ["--preset", "c51-nature", "--learning-rate", "1e-4",
+                                          "--double"], presets=c51.PRESETS)
     assert (nature.batch_size, nature.adam_eps) == (32, pytest.approx(0.01 / 32))
     assert nature.eps_end == 0.01 and nature.target_update_interval == 40_000
     assert nature.learning_rate == 1e-4 and nature.double  # the command line wins

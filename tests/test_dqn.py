@@ -4,6 +4,7 @@ equivalence of the update, presets, learning on Catch, torchrun end to end with 
 import pytest
 import torch
 
+from common import cli
 from tests.conftest import expect_error, load_algo, read_summary, run_script, run_two_ranks
 
 
@@ -81,16 +82,16 @@ def test_each_environment_explores_with_its_own_epsilon(dqn, groups):
 
 
 def test_presets_fill_defaults_and_flags_override(dqn):
-    args, _ = dqn.parse_args(["--preset", "eps-rainbow-512", "--learning-rate", "1e-4",
-                              "--no-dueling"])
+    args, _ = cli.parse_args(dqn.Args, ["--preset", "eps-rainbow-512", "--learning-rate", "1e-4",
+                                        "--no-dueling"], presets=dqn.PRESETS)
     assert (args.double, args.prioritized, args.n_step, args.batch_size) == (True, True, 3, 512)
     assert args.target_update_interval == 8000 and args.learning_starts == 20000
     assert args.adam_eps == pytest.approx(0.005 / 512)
     assert args.learning_rate == 1e-4 and not args.dueling  # the command line wins
-    nature, _ = dqn.parse_args(["--preset", "dqn-nature"])
+    nature, _ = cli.parse_args(dqn.Args, ["--preset", "dqn-nature"], presets=dqn.PRESETS)
     assert (nature.batch_size, nature.optimizer, nature.learning_rate) == (32, "rmsprop", 2.5e-4)
     assert nature.eval_epsilon == 0.05 and not nature.double
-    default, _ = dqn.parse_args([])
+    default, _ = cli.parse_args(dqn.Args, [], presets=dqn.PRESETS)
     assert default.preset == "dqn-512" and default.batch_size == 512
 
 
@@ -150,7 +151,7 @@ def test_dqn_learns_catch(tmp_path):
                "--learning-starts", "500", "--batch-size", "64", "--replay-ratio", "4",
                "--learning-rate", "5e-4", "--adam-eps", "1e-4", "--n-step", "3", "--double",
                "--eps-decay-steps", "4000", "--eps-end", "0.02", "--target-update-interval",
-               "400", "--eval-interval", "0", "--run-dir", str(run), timeout=600)
+               "400", "--eval-interval", "0", "--run-dir", str(run), timeout=900)
     s = read_summary(run)
     assert s["episodes"] > 1500 and s["updates"] == 596
     assert s["mean_return_last100"] > 0.6
