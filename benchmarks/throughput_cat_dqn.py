@@ -23,7 +23,6 @@ Run:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -39,19 +38,11 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import throughput  # noqa: E402  # hardware line, end-to-end runner, load_algo
 
 
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = load("throughput", ROOT / "benchmarks" / "throughput.py")
-c51 = load("cat_dqn", ROOT / "algos" / "cat_dqn.py")
+c51 = throughput.load_algo("cat_dqn")
 
 
 @dataclass

@@ -24,7 +24,6 @@ Run:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -39,20 +38,11 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+import throughput  # noqa: E402  # hardware line, end-to-end runner, load_algo
 from common.replay import Replay  # noqa: E402
 
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = load("throughput", ROOT / "benchmarks" / "throughput.py")
-dqn = load("dqn_multigpu", ROOT / "algos" / "dqn_multigpu.py")
+dqn = throughput.load_algo("dqn_multigpu")
 
 
 @dataclass
