@@ -58,6 +58,19 @@ def ppo():
     return load_algo("ppo_multigpu")
 
 
+def replay_batch(n: int, num_actions: int, seed: int = 0) -> dict:
+    """A random batch shaped as common/replay.py samples it (n-step returns, discounts that are
+    0 after a termination, importance weights), for the DQN family's update tests."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+            "next_obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+            "actions": torch.randint(0, num_actions, (n,), generator=g),
+            "returns": torch.randn(n, generator=g) * 2,
+            "discounts": (torch.rand(n, generator=g) > 0.2) * 0.99 ** 3,
+            "weights": torch.rand(n, generator=g) * 0.9 + 0.1}
+
+
 def _rank_main(rank: int, port: int, fn, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common import cli
-from tests.conftest import expect_error, load_algo, read_summary, run_script, run_two_ranks
+from tests.conftest import (expect_error, load_algo, read_summary, replay_batch, run_script,
+                            run_two_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +96,6 @@ def test_presets_fill_defaults_and_flags_override(dqn):
     assert default.preset == "dqn-512" and default.batch_size == 512
 
 
-def _batch(n, num_actions, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
-            "next_obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
-            "actions": torch.randint(0, num_actions, (n,), generator=g),
-            "returns": torch.randn(n, generator=g) * 2,
-            "discounts": (torch.rand(n, generator=g) > 0.2) * 0.99 ** 3,
-            "weights": torch.rand(n, generator=g) * 0.9 + 0.1}
-
-
 def _update(batch, out_path=None):
     """One double-dueling DQN update from fixed parameters (target != online); returns them."""
     from common import dist
@@ -129,7 +120,7 @@ def _rank(rank, batch, out_path):
 
 
 def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
-    batch = _batch(32, 6)
+    batch = replay_batch(32, 6)
     run_two_ranks(_rank, batch, str(tmp_path / "p"))
     (r0, td0), (r1, td1) = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
     single, td = _update(batch)
