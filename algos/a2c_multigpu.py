@@ -52,8 +52,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs  # noqa: E402
-from common.logger import Logger  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -63,7 +63,7 @@ class Args:
     """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
-    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
     num_envs: int = 16
@@ -71,7 +71,7 @@ class Args:
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     run_dir: str | None = None
-    """output directory; default runs/<env>__a2c_multigpu__<seed>__<unix time>"""
+    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
@@ -90,7 +90,21 @@ class Args:
     sticky_actions: bool = False
     """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
     clip_rewards: bool = True
-    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
+    report the raw score"""
+    fire_reset: bool = True
+    """press FIRE at every game start and after every lost life, in games that have it (Breakout
+    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
+    eval_interval: int = 250_000
+    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
+    the final one at the end of the run"""
+    eval_episodes: int = 8
+    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
+    eval_envs: int = 4
+    """evaluation environments per rank, separate from the training ones"""
+    eval_max_steps: int = 4_500
+    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
+    5-minute cap of Machado et al. 2018)"""
 
     num_steps: int = 5
     """steps per environment per rollout (A3C paper's t_max, baselines' a2c, the paper's code)"""
@@ -248,7 +262,8 @@ def main() -> None:
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
                                     episodic_life=args.episodic_life,
-                                    sticky_actions=args.sticky_actions)
+                                    sticky_actions=args.sticky_actions, fire_reset=args.fire_reset)
+        eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
     run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world)
@@ -270,7 +285,7 @@ def main() -> None:
     log_every = max(1, 2048 // batch_per_rank)
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    logger = Logger(run_dir, world, args, state)
+    logger = Logger(run_dir, world, args, state, global_batch)
     stop = checkpoint.StopRequest()
 
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
@@ -282,7 +297,10 @@ def main() -> None:
                                 "logger": logger.state(), "env_id": args.env_id,
                                 "script": "a2c_multigpu"})
 
-    saved_at = global_step
+    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
+        return evaluation.evaluate(lambda obs: policy(obs)[0], eval_env, args, world, global_step)
+
+    saved_at, logged_at, last_eval = global_step, global_step, None
     stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     iteration = 0
@@ -309,21 +327,24 @@ def main() -> None:
             stat_sums[k] = stat_sums.get(k, 0.0) + v
         stat_count += 1
 
-        # ---- logging and checkpoints ----
-        interval = args.checkpoint_interval
-        if interval and global_step // interval > (global_step - global_batch) // interval:
+        # ---- evaluation, logging and checkpoints ----
+        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()
             saved_at = global_step
         if iteration % log_every and global_step < args.total_timesteps:
             continue  # not a logging iteration: keep accumulating stats and phase times
+        eval_s = time.perf_counter()
+        if eval_env and crossed(args.eval_interval, global_step, logged_at):
+            last_eval = logger.eval(global_step, evaluate())
+        eval_s = time.perf_counter() - eval_s
         means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one host sync
         logger.log(global_step,
                    {**{f"losses/{k}": m for k, m in zip(stat_sums, means)},
                     "charts/learning_rate": lr},
                    sampler.pop_episodes(),
                    {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm})
-        stat_sums, stat_count = {}, 0
+                    "learn": learn, "comm": comm, "eval": eval_s})
+        logged_at, stat_sums, stat_count = global_step, {}, 0
         env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
         if stop(device):
             if world.is_main:
@@ -335,11 +356,13 @@ def main() -> None:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    logger.summary(global_step)
+    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
+    logger.summary(global_step, last_eval)
     logger.close()
-    for e in env_groups:
+    for e in env_groups + ([eval_env] if eval_env else []):
         e.close()
-    dist.cleanup()
+    dist.finish()
 
 
 if __name__ == "__main__":

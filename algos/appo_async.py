@@ -42,10 +42,10 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_adam import CentralAdam  # noqa: E402
-from common.logger import Logger  # noqa: E402
+from common.logger import Logger, crossed  # noqa: E402
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Args:
     """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
-    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
     total_timesteps: int = 10_000_000
     """environment steps trained on, over all ranks (frames are 4x this; dropped rollouts are
     not counted)"""
@@ -63,7 +63,7 @@ class Args:
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     run_dir: str | None = None
-    """output directory; default runs/<env>__appo_async__<seed>__<unix time>"""
+    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
@@ -82,7 +82,21 @@ class Args:
     sticky_actions: bool = False
     """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
     clip_rewards: bool = True
-    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
+    report the raw score"""
+    fire_reset: bool = True
+    """press FIRE at every game start and after every lost life, in games that have it (Breakout
+    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
+    eval_interval: int = 250_000
+    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
+    the final one at the end of the run"""
+    eval_episodes: int = 8
+    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
+    eval_envs: int = 4
+    """evaluation environments per rank, separate from the training ones"""
+    eval_max_steps: int = 4_500
+    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
+    5-minute cap of Machado et al. 2018)"""
 
     num_steps: int = 128
     """steps per environment per rollout (PPO paper, Atari)"""
@@ -277,9 +291,11 @@ def main() -> None:
     device = world.device
     env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
                       groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
-                      sticky_actions=args.sticky_actions, num_threads=len(cores))
+                      sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
+                      num_threads=len(cores))
     try:  # check the game here, with one message; the sampler process makes its own
         probe = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
+        eval_env = evaluation.make_envs(args)  # played by the learner, between its updates
     except envs.EnvError as e:
         dist.fail(str(e))
     num_actions = probe.num_actions
@@ -314,7 +330,7 @@ def main() -> None:
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
                            seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)))
-    logger = Logger(run_dir, world, args, state)
+    logger = Logger(run_dir, world, args, state, global_batch)
     version = 0  # updates this rank's learner has published to its sampler
     lag_sum, lag_max, trained, dropped = 0, 0, 0, 0  # over the whole run, all ranks
     if state:
@@ -328,7 +344,11 @@ def main() -> None:
                                                                   dropped],
                                 "env_id": args.env_id, "script": "appo_async"})
 
-    saved_at = global_step
+    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
+        return evaluation.evaluate(lambda obs: act(agent, obs)[0], eval_env, args, world,
+                                   global_step)
+
+    saved_at, last_eval = global_step, None
     try:
         while global_step < args.total_timesteps:
             # The schedule follows the global step, so a resume with other ranks or batches goes
@@ -372,7 +392,11 @@ def main() -> None:
             sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
             learn = time.perf_counter() - learn_t0 - comm
 
-            # ---- logging and checkpoints: the once-per-rollout meeting of the ranks ----
+            # ---- evaluation, logging and checkpoints: the once-per-rollout meeting of ranks ----
+            eval_s = time.perf_counter()
+            if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
+                last_eval = logger.eval(global_step, evaluate())
+            eval_s = time.perf_counter() - eval_s
             meet_t0 = time.perf_counter()
             lags = dist.all_gather((lag, my_dropped))
             comm += time.perf_counter() - meet_t0  # waiting for slower ranks included
@@ -387,9 +411,8 @@ def main() -> None:
                         "charts/policy_lag_mean": sum(x for x, _ in lags) / len(lags),
                         "charts/policy_lag_max": max(x for x, _ in lags),
                         "charts/dropped_rollouts": dropped},
-                       episodes, {**waits, "learn": learn, "comm": comm})
-            interval = args.checkpoint_interval
-            if interval and global_step // interval > (global_step - global_batch) // interval:
+                       episodes, {**waits, "learn": learn, "comm": comm, "eval": eval_s})
+            if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
                 save()
                 saved_at = global_step
             if stop(device):
@@ -407,11 +430,15 @@ def main() -> None:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    logger.summary(global_step, policy_lag_mean=lag_sum / max(trained, 1),
+    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
+    if eval_env:
+        eval_env.close()
+    logger.summary(global_step, last_eval, policy_lag_mean=lag_sum / max(trained, 1),
                    policy_lag_max=lag_max, dropped_rollouts=dropped)
     logger.close()
     central.close()
-    dist.cleanup()
+    dist.finish()
 
 
 if __name__ == "__main__":

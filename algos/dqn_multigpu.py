@@ -26,9 +26,12 @@ Learning rate from batch 32 to 512: not scaled. The authors' code keeps Rainbow'
 batch lowers the gradient's noise, not its scale (the loss is a mean), so the step needs no
 change. This is our choice: we could not find the paper's DQN-512 rate.
 
-Exploration (--eps-schedule): `linear` anneals one epsilon over --eps-decay-steps global steps;
-`apex` gives environment i of all N (i = rank x num_envs + b) the fixed epsilon
-0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X; rlpyt), from 0.4 down to 0.4^8 = 6.6e-4.
+Exploration (--eps-schedule, common/exploration.py): `linear` holds --eps-start through the
+warm-up (--learning-starts), then anneals over --eps-decay-steps global steps, as DeepMind's DQN
+code and Dopamine do; `apex` gives environment i of all N (i = rank x num_envs + b) the fixed
+epsilon 0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X; rlpyt).
+Evaluation (common/evaluation.py): whole games at --eval-epsilon on separate environments, every
+--eval-interval steps and at the end; a game cut at --eval-max-steps counts with its score.
 
 Launch:
     python algos/dqn_multigpu.py --env-id Breakout-v5                     # one process
@@ -58,9 +61,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs  # noqa: E402
-from common.logger import Logger  # noqa: E402
-from common.replay import Replay  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import replay as replay_lib  # noqa: E402
+from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
+from common.exploration import status as exploration_status  # noqa: E402
+from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -70,7 +75,7 @@ class Args:
     """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
-    """seed for parameters, exploration, replay and environments (each rank and env its own)"""
+    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
@@ -78,7 +83,7 @@ class Args:
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     run_dir: str | None = None
-    """output directory; default runs/<env>__dqn_multigpu__<seed>__<unix time>"""
+    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
@@ -91,7 +96,11 @@ class Args:
     sticky_actions: bool = False
     """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
     clip_rewards: bool = True
-    """learn from sign(reward) (Nature DQN); episode statistics always report the raw score"""
+    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
+    report the raw score"""
+    fire_reset: bool = True
+    """press FIRE at every game start and after every lost life, in games that have it (Breakout
+    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
     keep_checkpoints: int = 3
     """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
     keeps all"""
@@ -147,16 +156,18 @@ class Args:
     """linear schedule's final epsilon (Nature: 0.1; Rainbow: 0.01)"""
     eps_decay_steps: int = 250_000
     """global steps of the linear decay (Nature: 1M frames)"""
-    eval_interval: int = 25
-    """logging intervals between greedy evaluations; 0 turns evaluation off"""
+    eval_interval: int = 250_000
+    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
+    the final one at the end of the run"""
     eval_epsilon: float = 0.001
     """exploration during evaluation (Rainbow: 0.001; Nature: 0.05)"""
     eval_envs: int = 4
     """evaluation environments per rank, separate from the training ones"""
     eval_episodes: int = 8
-    """games each rank finishes per evaluation (or fewer, at --eval-max-steps)"""
+    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
     eval_max_steps: int = 4_500
-    """steps per evaluation environment at most (18,000 frames: 5 minutes of play)"""
+    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
+    5-minute cap of Machado et al. 2018)"""
 
 
 PRESETS = {  # sources in the module docstring
@@ -193,24 +204,6 @@ class QNetwork(nn.Module):
             return self.head(h)
         adv = self.head(h)  # the advantage stream; its mean is removed (Wang et al., eq. 9)
         return self.value(h) + adv - adv.mean(1, keepdim=True)
-
-
-def epsilons(args: Args, global_step: int, rank: int, world_size: int) -> torch.Tensor:
-    """Exploration rate of each of this rank's environments [num_envs] (module docstring)."""
-    if args.eps_schedule == "apex":
-        n = world_size * args.num_envs
-        i = rank * args.num_envs + torch.arange(args.num_envs, dtype=torch.float64)
-        return (0.4 ** (1 + 7 * i / max(n - 1, 1))).float()
-    frac = min(1.0, global_step / max(args.eps_decay_steps, 1))
-    return torch.full((args.num_envs,), args.eps_start + frac * (args.eps_end - args.eps_start))
-
-
-def epsilon_greedy(model: QNetwork, obs: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """Actions [n]: uniformly random with probability eps [n], else argmax Q."""
-    q = model(obs)
-    explore = torch.rand(len(obs), device=obs.device) < eps
-    return torch.where(explore, torch.randint(q.shape[1], (len(obs),), device=obs.device),
-                       q.argmax(1))
 
 
 def td_targets(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor],
@@ -252,72 +245,24 @@ def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
                                eps=math.sqrt(0.01), centered=True)
 
 
-class GroupPolicy:
-    """The sampler's policy: epsilon-greedy with one epsilon per environment column. With the
-    alternating sampler, collect() asks for group 0, 1, 0, 1, ... (common/sampler.py), so the
-    call count tells which columns a batch of observations belongs to."""
-
-    def __init__(self, model: QNetwork):
-        self.model, self.calls, self.eps = model, 0, None
-
-    def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
-        self.eps, self.calls = eps, 0
-        return self
-
-    def __call__(self, obs):
-        n = len(obs)
-        g = self.calls % (len(self.eps) // n)  # groups = all envs / envs per call
-        self.calls += 1
-        return epsilon_greedy(self.model, obs, self.eps[g * n:(g + 1) * n]), {}
-
-
-def evaluate(policy: GroupPolicy, sampler: Sampler, args: Args, seeds) -> list[float]:
-    """Greedy games (--eval-epsilon) on the separate evaluation environments: true scores of up
-    to --eval-episodes finished games, within --eval-max-steps steps per environment."""
-    sampler.reset(seeds)
-    sampler.pop_episodes()
-    eps = torch.full((args.eval_envs,), args.eval_epsilon, device=sampler.device)
-    games, steps = [], 0
-    while len(games) < args.eval_episodes and steps < args.eval_max_steps:
-        sampler.collect(policy.start(eps))
-        steps += sampler.T
-        games += [ret for ret, _ in sampler.pop_episodes()]
-    return games[:args.eval_episodes]
-
-
 def main() -> None:
     args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
-    for name in ("batch_size", "replay_size", "n_step", "target_update_interval", "eval_envs"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.replay_ratio <= 0 or args.learning_rate <= 0:
-        dist.fail("--replay-ratio and --learning-rate must be positive")
-    for name in ("gamma", "eps_start", "eps_end", "eval_epsilon", "priority_beta"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            dist.fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.learning_starts < 0 or args.eval_interval < 0:
-        dist.fail("--learning-starts and --eval-interval must be >= 0")
+    cli.check_q_learning(args)
 
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
-    rows = args.replay_size // world.world_size // args.num_envs
-    if rows < args.num_steps + args.n_step + 5:
-        dist.fail(f"--replay-size {args.replay_size} gives {rows} transitions per environment "
-                  f"on each of {world.world_size} ranks; need at least --num-steps + --n-step + 5 "
-                  f"= {args.num_steps + args.n_step + 5}")
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
                                     episodic_life=args.episodic_life,
-                                    sticky_actions=args.sticky_actions)
-        eval_envs = envs.make_envs(args.env_id, args.eval_envs, episodic_life=args.episodic_life,
-                                   sticky_actions=args.sticky_actions) if args.eval_interval else []
+                                    sticky_actions=args.sticky_actions, fire_reset=args.fire_reset)
+        eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
+    new_replay = replay_lib.make_shard(args, world)  # checks the size before anything is written
     run_dir, state = checkpoint.prepare_run(args, "dqn_multigpu", world)
-    num_actions = env_groups[0].num_actions
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = QNetwork(num_actions, args.dueling).to(device)
+    model = QNetwork(env_groups[0].num_actions, args.dueling).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -325,35 +270,14 @@ def main() -> None:
     global_step = checkpoint.restore(state, world, model=model, optimizer=optimizer,
                                      target=target)  # or 0
     counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
-                "generated": 0, "evals": 0}  # "generated": steps taken while learning was on
+                "generated": 0}  # "generated": steps taken while learning was on
     if state is not None:
         counters.update(state["counters"])
     else:
         target.load_state_dict(model.state_dict())
     dist.broadcast_params(model)
     dist.broadcast_params(target)
-
-    def new_replay():  # this rank's shard of --replay-size, on its device (or the CPU)
-        return Replay(rows * args.num_envs, args.num_envs,
-                      device if args.replay_device == "auto" else torch.device("cpu"),
-                      n_step=args.n_step, gamma=args.gamma, prioritized=args.prioritized,
-                      alpha=args.priority_alpha)
-
-    replay, loaded = new_replay(), False
-    if state is not None:
-        shard = checkpoint.load_rank_state(run_dir, global_step, world) if args.save_replay \
-            else None
-        try:
-            loaded = shard is not None and replay.load_state_dict(shard["replay"]) is None
-        except (ValueError, KeyError) as e:
-            print(f"warning: rank {world.rank}: {e}", file=sys.stderr, flush=True)
-        # all ranks refill together, or none does: every rank must take the same updates
-        if dist.all_reduce_mean(torch.tensor([float(loaded)], device=device)).item() < 1:
-            replay = new_replay() if loaded else replay
-            counters["learn_from"] = global_step + args.learning_starts
-            if world.is_main:
-                print(f"replay not restored: refilling it for {args.learning_starts:,} steps "
-                      "before learning again", flush=True)
+    replay = replay_lib.restore_or_refill(new_replay, state, run_dir, world, args, counters)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
@@ -361,9 +285,9 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(model)
-    eval_sampler = Sampler(eval_envs, 64, device) if eval_envs else None
-    logger = Logger(run_dir, world, args, state)
+    policy = GroupPolicy(model)  # epsilon-greedy on Q, one epsilon per environment column
+    eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
+    logger = Logger(run_dir, world, args, state, global_batch)
     stop = checkpoint.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
@@ -375,13 +299,17 @@ def main() -> None:
                                rank_state={"replay": replay.state_dict()} if args.save_replay
                                else None)
 
+    def evaluate():  # the same epsilon-greedy policy, at --eval-epsilon, on whole games
+        return evaluation.evaluate(lambda obs: epsilon_greedy(model(obs), eval_eps[:len(obs)]),
+                                   eval_env, args, world, global_step)
+
     finals = []  # true last observations of truncated episodes, in the order the sampler meets them
 
     def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
         finals.append(obs)
         return torch.zeros(len(obs), device=obs.device)
 
-    saved_at, iteration, logs, last_eval = global_step, 0, 0, None
+    saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
     stat_sums, stat_count = {}, 0
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     while global_step < args.total_timesteps:
@@ -398,18 +326,13 @@ def main() -> None:
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
         learn_t0, seconds = time.perf_counter(), 0.0
         if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
-            counters["generated"] += global_batch
-            counters["credit"] += args.replay_ratio * global_batch / (
-                args.batch_size * world.world_size)
             beta = args.priority_beta + (1 - args.priority_beta) * min(
                 1.0, global_step / args.total_timesteps)
-            while counters["credit"] >= 1.0:
-                counters["credit"] -= 1.0
+            for _ in range(replay_lib.updates_due(counters, args, global_batch, world.world_size)):
                 batch = {k: v.to(device, non_blocking=True)
                          for k, v in replay.sample(args.batch_size, beta).items()}
                 stats, td_abs, c = dqn_update(model, target, optimizer, batch, args)
                 replay.update_priorities(batch["indices"], td_abs)
-                counters["updates"] += 1
                 seconds += c
                 for k, v in stats.items():
                     stat_sums[k] = stat_sums.get(k, 0.0) + v
@@ -421,35 +344,25 @@ def main() -> None:
         comm += seconds
 
         # ---- logging, evaluation and checkpoints ----
-        interval = args.checkpoint_interval
-        if interval and global_step // interval > (global_step - global_batch) // interval:
+        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()
             saved_at = global_step
         if iteration % log_every and global_step < args.total_timesteps:
             continue  # not a logging iteration: keep accumulating stats and phase times
-        logs += 1
-        scalars = {"charts/epsilon": eps.mean().item(),
-                   "charts/replay_ratio": counters["updates"] * args.batch_size
-                   * world.world_size / max(counters["generated"], 1)}
+        scalars = {"charts/epsilon": eps.mean().item(), "charts/replay_ratio":
+                   counters["updates"] * args.batch_size * world.world_size
+                   / max(counters["generated"], 1)}
         if stat_count:
             means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one sync
             scalars.update({f"losses/{k}": m for k, m in zip(stat_sums, means)})
-        eval_s = 0.0
-        if eval_sampler is not None and logs % args.eval_interval == 0:
-            t0 = time.perf_counter()
-            counters["evals"] += 1
-            games = [r for g in dist.all_gather(evaluate(policy, eval_sampler, args, envs.env_seeds(
-                args.seed + 10**6, world.rank, args.eval_envs, offset=counters["evals"])))
-                for r in g]
-            if games:
-                last_eval = sum(games) / len(games)
-                scalars.update({"charts/eval_return": last_eval,
-                                "charts/eval_episodes": len(games)})
-            eval_s = time.perf_counter() - t0
+        eval_s = time.perf_counter()
+        if eval_env and crossed(args.eval_interval, global_step, logged_at):
+            last_eval = logger.eval(global_step, evaluate())
         logger.log(global_step, scalars, sampler.pop_episodes(),
                    {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm, "eval": eval_s})
-        stat_sums, stat_count = {}, 0
+                    "learn": learn, "comm": comm, "eval": time.perf_counter() - eval_s},
+                   status=exploration_status(eps, counters["learn_from"], global_step))
+        logged_at, stat_sums, stat_count = global_step, {}, 0
         env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
         if stop(device):
             if world.is_main:
@@ -461,12 +374,14 @@ def main() -> None:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    logger.summary(global_step, updates=counters["updates"], eval_return=last_eval,
+    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
+    logger.summary(global_step, last_eval, updates=counters["updates"],
                    replay_bytes_per_transition=replay.bytes_per_transition())
     logger.close()
-    for e in env_groups + eval_envs:
+    for e in env_groups + ([eval_env] if eval_env else []):
         e.close()
-    dist.cleanup()
+    dist.finish()
 
 
 if __name__ == "__main__":

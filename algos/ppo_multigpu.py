@@ -31,8 +31,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs  # noqa: E402
-from common.logger import Logger  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -42,7 +42,7 @@ class Args:
     """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
-    """seed for parameters, action sampling and environments (each rank and env gets its own)"""
+    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
     num_envs: int = 8
@@ -50,7 +50,7 @@ class Args:
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     run_dir: str | None = None
-    """output directory; default runs/<env>__ppo_multigpu__<seed>__<unix time>"""
+    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
@@ -69,7 +69,21 @@ class Args:
     sticky_actions: bool = False
     """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
     clip_rewards: bool = True
-    """learn from sign(reward) (paper, PPO); episode statistics always report the raw score"""
+    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
+    report the raw score"""
+    fire_reset: bool = True
+    """press FIRE at every game start and after every lost life, in games that have it (Breakout
+    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
+    eval_interval: int = 250_000
+    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
+    the final one at the end of the run"""
+    eval_episodes: int = 8
+    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
+    eval_envs: int = 4
+    """evaluation environments per rank, separate from the training ones"""
+    eval_max_steps: int = 4_500
+    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
+    5-minute cap of Machado et al. 2018)"""
 
     num_steps: int = 128
     """steps per environment per rollout (PPO paper, Atari)"""
@@ -229,7 +243,8 @@ def main() -> None:
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
                                     episodic_life=args.episodic_life,
-                                    sticky_actions=args.sticky_actions)
+                                    sticky_actions=args.sticky_actions, fire_reset=args.fire_reset)
+        eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
     run_dir, state = checkpoint.prepare_run(args, "ppo_multigpu", world)
@@ -246,7 +261,7 @@ def main() -> None:
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
                       clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    logger = Logger(run_dir, world, args, state)
+    logger = Logger(run_dir, world, args, state, global_batch)
     stop = checkpoint.StopRequest()
 
     def save():
@@ -255,7 +270,11 @@ def main() -> None:
                                 "logger": logger.state(), "env_id": args.env_id,
                                 "script": "ppo_multigpu"})
 
-    saved_at = global_step
+    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
+        return evaluation.evaluate(lambda obs: Categorical(logits=agent(obs)[0]).sample(),
+                                   eval_env, args, world, global_step)
+
+    saved_at, last_eval = global_step, None
     while global_step < args.total_timesteps:
         # The schedule follows the global step, so a resume with other ranks or batches goes on
         # where it stopped.
@@ -282,7 +301,11 @@ def main() -> None:
         stats, comm = ppo_update(agent, optimizer, batch, args)
         learn = time.perf_counter() - learn_t0 - comm
 
-        # ---- logging and checkpoints ----
+        # ---- evaluation, logging and checkpoints ----
+        eval_s = time.perf_counter()
+        if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
+            last_eval = logger.eval(global_step, evaluate())
+        eval_s = time.perf_counter() - eval_s
         y, y_pred = batch["returns"], batch["value"]
         explained_var = 1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)
         logger.log(global_step,
@@ -291,9 +314,8 @@ def main() -> None:
                     "charts/learning_rate": lr},
                    sampler.pop_episodes(),
                    {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm})
-        interval = args.checkpoint_interval
-        if interval and global_step // interval > (global_step - global_batch) // interval:
+                    "learn": learn, "comm": comm, "eval": eval_s})
+        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()
             saved_at = global_step
         if stop(device):
@@ -306,11 +328,13 @@ def main() -> None:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    logger.summary(global_step)
+    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
+    logger.summary(global_step, last_eval)
     logger.close()
-    for e in env_groups:
+    for e in env_groups + ([eval_env] if eval_env else []):
         e.close()
-    dist.cleanup()
+    dist.finish()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ def default_run_dir(env_id: str, script: str, seed: int) -> Path:
     return Path(f"runs/{env}__{script}__{seed}__{int(time.time())}")
 
 
+def step_of(ckpt: Path) -> int | None:
+    """The global step a checkpoint file was written at (its name: step_<N>.pt), if it says."""
+    m = CKPT.fullmatch(ckpt.name)
+    return int(m.group(1)) if m else None
+
+
 def run_of(ckpt: Path) -> Path:
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
 

@@ -1,5 +1,5 @@
 """Command line: tyro parsing, the run to start or continue, and the checks every script's shared
-flags need.
+flags need (and the DQN family's, in check_q_learning).
 
 Every problem a user can cause here ends in one line from rank 0 and exit code 2 on every rank,
 before any environment or run directory exists, so nothing can hang or be left behind.
@@ -7,6 +7,7 @@ before any environment or run directory exists, so nothing can hang or be left b
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,20 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
                                                           if k in known},
                                                        "resume": args.resume}))
     args.run_dir, args.resume = run_dir, ckpt
+    done = checkpoint.step_of(Path(ckpt)) if ckpt else None
+    if done is not None and done >= args.total_timesteps:  # nothing to train: leave the run as it is
+        if world.is_main:
+            print(f"run {run_dir} already finished at step {done:,} (--total-timesteps "
+                  f"{args.total_timesteps:,}); nothing to do. Pass a larger --total-timesteps to "
+                  "train on", flush=True)
+        dist.cleanup()
+        sys.exit(0)
+    cores = os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if world.device.type == "cpu" and local_ranks > cores and world.local_rank == 0:
+        print(f"warning: {local_ranks} CPU ranks on {cores} cores: they will take turns on the "
+              "cores (each rank also runs emulator threads); use --nproc_per_node <= cores",
+              file=sys.stderr, flush=True)
 
     for name in ("total_timesteps", "num_envs", "num_steps"):
         if getattr(args, name, 1) <= 0:
@@ -58,6 +73,11 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
         dist.fail(f"--keep-checkpoints must be >= 0, got {args.keep_checkpoints}")
     if args.collective_timeout <= 0:
         dist.fail(f"--collective-timeout must be positive, got {args.collective_timeout}")
+    for name in ("eval_envs", "eval_max_steps"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.eval_interval < 0 or args.eval_episodes < 0:
+        dist.fail("--eval-interval and --eval-episodes must be >= 0 (0 turns them off)")
     if getattr(args, "alternate", False) and args.num_envs % 2:
         dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
                   f"got {args.num_envs}")
@@ -86,3 +106,17 @@ def _with_preset(cls, argv: list[str], presets: dict[str, dict]) -> list[str]:
         else:
             flags += [flag, repr(value) if isinstance(value, float) else str(value)]
     return flags + argv
+
+
+def check_q_learning(args) -> None:
+    """The DQN family's own flags (dqn_multigpu.py, cat_dqn.py), refused with one line."""
+    for name in ("batch_size", "replay_size", "n_step", "target_update_interval"):
+        if getattr(args, name) <= 0:
+            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.replay_ratio <= 0 or args.learning_rate <= 0:
+        dist.fail("--replay-ratio and --learning-rate must be positive")
+    for name in ("gamma", "eps_start", "eps_end", "eval_epsilon", "priority_beta"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            dist.fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.learning_starts < 0:
+        dist.fail("--learning-starts must be >= 0")

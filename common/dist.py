@@ -14,12 +14,22 @@ group's timeout (`--collective-timeout`), and a collective that fails (a peer's 
 or no progress within the timeout) ends this rank at once with one line and exit code 1, so
 torchrun sees a failed worker and stops or restarts the whole group (`--max-restarts`). NCCL's
 own watchdog does the same on GPUs.
+
+A rank that ends must not crash on its way out either: a script's main() ends with `finish()`,
+and a user error ends every rank through `fail()`. Both leave the group, then end the process
+with `os._exit`, so that no C++ destructor of the interpreter's teardown runs while the group's
+threads (gloo's `pt_gloo_runloop` and `gloo_tcp_loop`, NCCL's watchdog) may still be running:
+that ended a finished rank with SIGABRT ("terminate called without an active exception") while
+another rank was still finishing, and torchrun called the run failed. `cleanup()` only leaves
+the group, freeing it and ending its threads (the ranks that tests start call it and go on).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
+import multiprocessing
 import os
 import sys
 import time
@@ -27,6 +37,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available():
+    # Before any group exists. torch.distributed.nn.functional's collectives take
+    # `group=group.WORLD` as a default argument, evaluated once, on import; torch._dynamo imports
+    # it, and every torch.optim optimizer imports torch._dynamo when it is made. Imported after
+    # init_process_group, its ten functions hold the world group for good: destroy_process_group()
+    # then frees nothing, its threads run on, and the group is freed only when the interpreter
+    # tears its modules down. Imported here, those defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 @dataclass
@@ -47,7 +66,7 @@ def setup(cuda: bool, timeout: float = 600.0) -> World:
     Nothing assumes one machine: torchrun's rendezvous supplies MASTER_ADDR and MASTER_PORT.
     `timeout`: seconds a collective waits for the other ranks before it fails.
     """
-    global _timeout
+    global _timeout, _made_group
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -68,10 +87,12 @@ def setup(cuda: bool, timeout: float = 600.0) -> World:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
                                 store=dist.PrefixStore(f"accelrl/attempt_{attempt}", store),
                                 timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        _made_group = True
     return World(rank, local_rank, world_size, device)
 
 
 _timeout = 600.0
+_made_group = False  # this process joined a group: finish() and fail() end it with os._exit
 
 
 def _guarded(collective):
@@ -95,16 +116,73 @@ def active() -> bool:
 
 
 def cleanup() -> None:
+    """Leave the group (its threads end here, see the import above); the process goes on."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
+def finish(code: int = 0) -> None:
+    """The last call of a script's main(): leave the group and end the process with `code`.
+
+    In a process that joined a group this does not return: it ends with os._exit (see _leave).
+    Without a group (plain python, or a test calling main() in its own process) there are no
+    group threads to outlive, so it returns (or raises SystemExit for a non-zero `code`) and the
+    interpreter exits as usual.
+    """
+    cleanup()
+    if _made_group:
+        _leave(code)
+    if code:
+        sys.exit(code)
+
+
 def fail(message: str, code: int = 2) -> None:
-    """End a user-caused error on every rank: one line from rank 0, a non-zero exit, no hang."""
+    """End a user-caused error on every rank: one line from rank 0, a non-zero exit, no hang.
+
+    In a process that joined a group it leaves the group and ends with os._exit (as finish());
+    without one it raises SystemExit(code), which in-process callers (tests) can catch.
+    """
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     cleanup()
+    if _made_group:
+        _leave(code)
     sys.exit(code)
+
+
+def _leave(code: int) -> None:
+    """End this process now, with `code`, without the interpreter's teardown.
+
+    os._exit runs no module teardown and no C++ static destructor: nothing of torch (or of a
+    process group that something still holds) is destroyed while its threads run. It also skips
+    what a normal exit does in Python, so that is done here first:
+    - daemonic child processes still alive are killed, as PR_SET_PDEATHSIG would when we exit
+      (APPO's sampler, when fail() comes mid-run: it ignores SIGTERM, so multiprocessing's exit
+      handler below would terminate it in vain and then wait for it forever). At the end of a
+      run the scripts have stopped their children already (APPO: sampler.close()).
+    - the atexit handlers run, as at a normal exit. What they do for these scripts:
+      multiprocessing's finalizers unlink the named semaphores of APPO's sampler queues and lock
+      (without them the resource tracker unlinks them and warns of "leaked semaphore objects"),
+      logging.shutdown() flushes log handlers, weakref.finalize callbacks run; torch's (dynamo's
+      compile-time dump, the DataLoader exit flag) do nothing here.
+    - stdout and stderr are flushed (os._exit drops what a buffer still holds).
+    Files the scripts write are closed before this (TensorBoard's writer, summary.json, the
+    checkpoints, which are also fsynced), and nothing that writes runs in a non-daemonic thread
+    (a normal exit would wait for those). Shared memory needs nothing: torch's CPU tensors share
+    through file descriptors whose names are gone already, and APPO's central parameter files
+    are unlinked as soon as every rank has opened them.
+    """
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
+            p.join()
+    atexit._run_exitfuncs()  # it reports, and survives, a handler that raises
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, a closed or broken stream
+            pass
+    os._exit(code)
 
 
 @_guarded

@@ -10,6 +10,16 @@ Conventions every script relies on:
 - With episodic lives on, `terminated` is raised on every life loss (the learner's episode ends,
   the game goes on). A *game* ends on game over or truncation, and that is what episode
   statistics count: the true score over all lives and the true length, in agent steps.
+- FIRE (`fire_reset`, on by default): in games whose action set has FIRE, it is pressed at every
+  game start and as the first action after every lost life, as the baselines' wrappers do (their
+  FireResetEnv inside EpisodicLifeEnv). Breakout serves the ball only on FIRE: without this an
+  agent that has not learned to press it stalls after its first lost life until the time limit.
+  ale-py's own `use_fire_reset` fires only at a game reset. The agent's action on that one step
+  is replaced, and the transition keeps the agent's action: the environment is then an MDP in
+  which that step's action has no effect, so nothing the learners compute is biased by it.
+- `max_episode_steps` cuts (truncates) a game: ALE games at 4x that many emulator frames, the
+  reset's no-op frames included (Machado et al. 2018's 18,000-frame cap at 4,500); other ids
+  at that many steps (Gymnasium's TimeLimit).
 """
 
 from __future__ import annotations
@@ -73,9 +83,11 @@ class Envs:
     """
 
     def __init__(self, env_id: str, num_envs: int, *, episodic_life: bool = True,
-                 sticky_actions: bool = False, num_threads: int = 0):
+                 sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
+                 max_episode_steps: int | None = None):
         self.num_envs = num_envs
         self.game = ale_game(env_id)
+        self.fire = None  # index of FIRE in the action set, when it is pressed after a life loss
         if self.game is not None:
             from ale_py.vector_env import AtariVectorEnv
 
@@ -83,16 +95,20 @@ class Envs:
             # agent would never play its later lives, and the game score would be lost), so we
             # ask for the life-loss signal instead and let the game run on (paper: episodic lives).
             self.venv = AtariVectorEnv(
-                self.game, num_envs, num_threads=num_threads, noop_max=30, use_fire_reset=True,
-                episodic_life=False, life_loss_info=episodic_life, reward_clipping=False,
-                repeat_action_probability=0.25 if sticky_actions else 0.0,
-                autoreset_mode="SameStep")
+                self.game, num_envs, num_threads=num_threads, noop_max=30,
+                use_fire_reset=fire_reset, episodic_life=False, life_loss_info=episodic_life,
+                reward_clipping=False, repeat_action_probability=0.25 if sticky_actions else 0.0,
+                autoreset_mode="SameStep",
+                max_num_frames_per_episode=4 * max_episode_steps if max_episode_steps else 108_000)
+            self.fire = fire_action(self.game) if fire_reset else None
         else:
             from gymnasium.vector import AutoresetMode
 
+            limit = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
             try:
                 self.venv = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
-                                         vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP})
+                                         vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
+                                         **limit)
             except gym.error.Error as e:
                 raise EnvError(f"cannot make environment {env_id!r}: {e}") from None
             obs_space, act_space = self.venv.single_observation_space, self.venv.single_action_space
@@ -107,6 +123,8 @@ class Envs:
         self._return = np.zeros(num_envs, np.float64)
         self._length = np.zeros(num_envs, np.int64)
         self._lives = np.zeros(num_envs, np.int64)
+        self._fire_next = np.zeros(num_envs, bool)  # lost a life on the last step
+        self.game_over = np.zeros(num_envs, bool)  # games that ended on the last step
 
     def reset(self, seeds: np.ndarray) -> np.ndarray:
         """Reset environment i with seeds[i]; returns obs uint8 [n, 4, 84, 84]."""
@@ -114,9 +132,12 @@ class Envs:
         self._return[:] = 0
         self._length[:] = 0
         self._lives[:] = info.get("lives", 0)
+        self._fire_next[:] = False
         return obs
 
     def send(self, actions: np.ndarray) -> None:
+        if self._fire_next.any():  # rare: only on the step after a lost life (module docstring)
+            actions = np.where(self._fire_next, self.fire, actions)
         if self.game is not None:
             self.venv.send(actions)
         else:  # Gymnasium's sync vector env has no asynchronous half: step at recv time
@@ -134,6 +155,8 @@ class Envs:
             # A life loss leaves the game running with one life fewer; a game over resets it to a
             # full set of lives (or 0 == 0 for games without lives). See the module docstring.
             game_over = truncated | (terminated & (lives >= self._lives))
+            if self.fire is not None:
+                self._fire_next = (lives < self._lives) & ~game_over
             self._lives = lives
             final_obs = info["final_obs"][truncated] if truncated.any() else None
         else:
@@ -142,6 +165,7 @@ class Envs:
             final_obs = np.stack(info["final_obs"][truncated]) if truncated.any() else None
         self._return += reward
         self._length += 1
+        self.game_over = game_over
         if game_over.any():  # rare per step: skip the bookkeeping otherwise (the hot path)
             for i in np.flatnonzero(game_over):
                 self.episodes.append((float(self._return[i]), int(self._length[i])))
@@ -153,8 +177,21 @@ class Envs:
         self.venv.close()
 
 
+def fire_action(game: str) -> int | None:
+    """The index of FIRE in the game's (minimal) action set, or None if it has no FIRE."""
+    import ale_py
+    from ale_py import roms
+
+    ale = ale_py.ALEInterface()
+    ale.setLoggerMode(ale_py.LoggerMode.Error)
+    ale.loadROM(roms.get_rom_path(game))
+    actions = list(ale.getMinimalActionSet())
+    return actions.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in actions else None
+
+
 def make_envs(env_id: str, num_envs: int, *, groups: int = 1, episodic_life: bool = True,
-              sticky_actions: bool = False, num_threads: int = 0) -> list[Envs]:
+              sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
+              max_episode_steps: int | None = None) -> list[Envs]:
     """A rank's `num_envs` environments, split into `groups` equal groups (2 for the alternating
     sampler). Seeds are given at reset (`Sampler.reset`), per environment index, so grouped and
     ungrouped runs see the same episodes."""
@@ -164,5 +201,6 @@ def make_envs(env_id: str, num_envs: int, *, groups: int = 1, episodic_life: boo
         # so each may use all of its rank's cores.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         num_threads = max(1, min(n, (os.cpu_count() or 1) // local_ranks))
-    return [Envs(env_id, n, episodic_life=episodic_life,
-                 sticky_actions=sticky_actions, num_threads=num_threads) for g in range(groups)]
+    return [Envs(env_id, n, episodic_life=episodic_life, sticky_actions=sticky_actions,
+                 num_threads=num_threads, fire_reset=fire_reset,
+                 max_episode_steps=max_episode_steps) for g in range(groups)]

@@ -18,11 +18,18 @@ from common import dist
 PHASES = ("env", "inference", "learn", "comm")
 
 
+def crossed(interval: int, step: int, previous: int) -> bool:
+    """Whether `step` passed a multiple of `interval` (> 0) since `previous`: checkpoints and
+    evaluations fall due on the global step, so every rank, and a resumed run, agree on them."""
+    return interval > 0 and step // interval > previous // interval
+
+
 class Logger:
     """`state`: the checkpoint a run resumes from (or None). The episode statistics continue from
     it, and TensorBoard hides any events an interrupted attempt wrote after its step."""
 
-    def __init__(self, run_dir: Path, world: dist.World, args, state: dict | None = None):
+    def __init__(self, run_dir: Path, world: dist.World, args, state: dict | None = None,
+                 global_batch: int = 0):
         saved = (state or {}).get("logger", {})
         start_step = state["global_step"] if state else 0
         self.world, self.args, self.run_dir = world, args, run_dir
@@ -43,6 +50,20 @@ class Logger:
             if state is None:
                 table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
                 self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+            self._plan(global_batch)
+
+    def _plan(self, global_batch: int) -> None:
+        """Say at the start where the run goes and what it will really take: the budget is
+        rounded up to whole iterations of the global batch (all ranks' steps per iteration)."""
+        total, left = self.args.total_timesteps, self.args.total_timesteps - self.start_step
+        print(f"run directory: {self.run_dir}", flush=True)
+        if global_batch > 0 and left > 0:
+            iters = -(-left // global_batch)
+            end = self.start_step + iters * global_batch
+            note = "" if end == total else (f" (--total-timesteps {total:,} rounded up to whole "
+                                             f"iterations)")
+            print(f"training to step {end:,}: {iters:,} iterations of {global_batch:,} steps "
+                  f"over {self.world.world_size} rank(s) on {self.world.device}{note}", flush=True)
 
     def state(self) -> dict:
         """What a checkpoint keeps so that summary.json counts the episodes before a resume."""
@@ -50,8 +71,9 @@ class Logger:
                 "restarts": self.restarts}
 
     def log(self, global_step: int, scalars: dict[str, float], episodes: list[tuple[float, int]],
-            phases: dict[str, float]) -> None:
-        """Called by every rank together. `phases`: seconds per phase since the last call."""
+            phases: dict[str, float], status: str = "") -> None:
+        """Called by every rank together. `phases`: seconds per phase since the last call;
+        `status`: a note for the progress line (the DQN family's epsilon)."""
         all_episodes = [ep for eps in dist.all_gather(episodes) for ep in eps]
         if not self.world.is_main:
             return
@@ -69,22 +91,38 @@ class Logger:
             w.add_scalar(f"time/{k}", v, global_step)
             self.phase_total[k] = self.phase_total.get(k, 0.0) + v
         self.last_step, self.last_time = global_step, now
-        self._progress(global_step, sps)
+        self._progress(global_step, sps, status)
 
-    def _progress(self, step: int, sps: float) -> None:
+    def eval(self, global_step: int, result: dict) -> dict:
+        """Record an evaluation (common/evaluation.py) at `global_step`; returns it with its step."""
+        result = {**result, "global_step": global_step}
+        if self.writer is not None and result["episodes"]:
+            self.writer.add_scalar("charts/eval_return", result["mean_return"], global_step)
+            self.writer.add_scalar("charts/eval_episodes", result["episodes"], global_step)
+            self.writer.add_scalar("charts/eval_length",
+                                   sum(result["lengths"]) / result["episodes"], global_step)
+            print(f"{chr(10) if self.tty else ''}eval at step {global_step:,}: mean return "
+                  f"{result['mean_return']:.2f} over {result['episodes']} games", flush=True)
+        return result
+
+    def _progress(self, step: int, sps: float, status: str = "") -> None:
         total = self.args.total_timesteps
         recent = f"{sum(self.returns) / len(self.returns):8.2f}" if self.returns else "     n/a"
         left = max(0.0, (total - step) / sps) if sps > 0 else 0.0  # the last batch may overshoot
         line = (f"step {step:>11,}/{total:,} ({100 * step / total:5.1f}%) | SPS {sps:8,.0f} | "
                 f"return(last 100) {recent} | episodes {self.episodes:,} | "
-                f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
+                f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+                + (f" | {status}" if status else ""))
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
-    def summary(self, global_step: int, **extra) -> dict:
-        """Write summary.json (rank 0). SPS counts this process's steps only (not a resumed past)."""
+    def summary(self, global_step: int, evaluation: dict | None = None, **extra) -> dict:
+        """Write summary.json (rank 0). SPS counts this process's steps only (not a resumed past).
+        `evaluation`: the last one (the final evaluation at the end of a run). `device` is where
+        the run ran; `args.cuda` only says whether a GPU was asked for."""
         if not self.world.is_main:
             return {}
         wall = time.time() - self.start_time
+        ev = evaluation or {}
         out = {
             "global_step": global_step,
             "wall_seconds": wall,
@@ -94,9 +132,17 @@ class Logger:
             "mean_return_last100": (sum(self.returns) / len(self.returns)) if self.returns else None,
             "world_size": self.world.world_size,
             "device": str(self.world.device),
+            "gpu": self.world.device.type == "cuda",
             "phase_seconds": self.phase_total,
+            "eval_return": ev.get("mean_return"),
+            "eval_episodes": ev.get("episodes", 0),
+            "eval_step": ev.get("global_step"),
+            "eval_returns": ev.get("returns", []),
+            "eval_lengths": ev.get("lengths", []),
             **extra,
-            "args": asdict(self.args),
+            # the flag, renamed so that it is not read as where the run ran (that is "device")
+            "args": {("cuda_requested" if k == "cuda" else k): v
+                     for k, v in asdict(self.args).items()},
         }
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2, default=str))
         return out

@@ -56,7 +56,8 @@ def test_epsilon_schedules(dqn):
     assert eps[0] == pytest.approx(0.4) and eps[7] == pytest.approx(0.4 ** 8)
     assert dqn.epsilons(dqn.Args(num_envs=1, eps_schedule="apex"), 0, 0, 1).item() == \
         pytest.approx(0.4)
-    lin = dqn.Args(num_envs=2, eps_start=1.0, eps_end=0.1, eps_decay_steps=1000)
+    lin = dqn.Args(num_envs=2, eps_start=1.0, eps_end=0.1, eps_decay_steps=1000,
+                   learning_starts=0)  # the decay starts after the warm-up: tests/test_scores.py
     for step, e in ((0, 1.0), (500, 0.55), (1000, 0.1), (5000, 0.1)):
         assert dqn.epsilons(lin, step, 0, 1).tolist() == pytest.approx([e, e])
 

@@ -74,3 +74,35 @@ def test_true_game_score_with_episodic_lives_and_reward_clipping():
     assert lives_lost >= 3 * len(episodes)  # the learner's episodes ended at every life loss
     assert set(rollout["rewards"].unique().tolist()) <= {-1.0, 0.0, 1.0}  # clipped for learning
     assert max(r for r, _ in episodes) > 100  # raw scores: far above any clipped sum here
+
+
+@pytest.mark.parametrize("fire_reset", [True, False])
+def test_fire_after_a_lost_life_lets_a_noop_policy_finish_breakout(fire_reset):
+    """Breakout serves the ball only on FIRE. With fire_reset (the default) the environment
+    presses it at the start and after every lost life, so NOOPs alone lose all 5 lives and end
+    the game; without it the ball is never served and the game never ends."""
+    env = envs.make_envs("Breakout-v5", 1, fire_reset=fire_reset)[0]
+    env.reset(envs.env_seeds(0, 0, 1))
+    lives_seen, steps = set(), 0
+    while not env.episodes and steps < 3000:
+        env.send(np.zeros(1, np.int64))
+        env.recv()
+        lives_seen.add(int(env._lives[0]))
+        steps += 1
+    env.close()
+    if fire_reset:
+        assert len(env.episodes) == 1 and {1, 2, 3, 4} <= lives_seen, (steps, lives_seen)
+    else:
+        assert not env.episodes and lives_seen == {5}
+
+
+def test_a_game_is_cut_exactly_at_max_episode_steps():
+    """Atari: 4 x max_episode_steps emulator frames; here a NOOP Breakout game never ends, so
+    every game is cut at exactly the cap (and counted as a game)."""
+    env = envs.make_envs("Breakout-v5", 2, fire_reset=False, max_episode_steps=50)[0]
+    env.reset(envs.env_seeds(0, 0, 2))
+    for _ in range(120):
+        env.send(np.zeros(2, np.int64))
+        *_, truncated, _ = env.recv()
+    env.close()
+    assert [length for _, length in env.episodes] == [50, 50, 50, 50]

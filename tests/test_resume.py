@@ -312,3 +312,22 @@ def test_the_same_command_twice_with_resume_auto_continues_the_first_run(tmp_pat
     assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at}.pt'}" in out
     s = read_summary(run)
     assert s["global_step"] == 768 and s["restarts"] == 1
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path):
+    run = tmp_path / "run"
+    run_script("ppo_multigpu", *CATCH, "--total-timesteps", "128", "--eval-episodes", "0",
+               "--run-dir", str(run))
+
+    def snapshot():
+        return {p.relative_to(run): (p.stat().st_mtime_ns, p.read_bytes())
+                for p in run.rglob("*") if p.is_file()}
+
+    before = snapshot()
+    for how in (str(run), "auto"):
+        proc = run_script("ppo_multigpu", *CATCH, "--total-timesteps", "128", "--resume", how,
+                          "--run-dir", str(run))
+        assert f"run {run} already finished at step 128" in proc.stdout, proc.stdout
+        assert "resumed" not in proc.stdout
+        assert snapshot() == before
+    assert read_summary(run)["restarts"] == 0

@@ -1,0 +1,65 @@
+"""Evaluation: whole games on separate environments, scored as the literature scores them.
+
+Protocol (Machado et al. 2018, "Revisiting the ALE", Sec. 5; the DQN papers' 5-minute cap):
+- Scores are true game scores: all lives, raw rewards (common/envs.py), episodic lives off.
+- A game is cut at `--eval-max-steps` steps (4,500 = 18,000 frames) and counts with its score so
+  far. Dropping cut games, or keeping the first games to finish, under-counts long games, which
+  are usually the high-scoring ones; a strong agent whose games all last past the cap would report
+  nothing at all.
+- Each evaluation environment plays its share of the `--eval-episodes` games in order (env j of n
+  plays games j, j + n, ...), so which games count is fixed before any is played.
+- Fresh, repeatable seeds for every evaluation (from `--seed` and the global step), so an
+  evaluation after a resume plays the same games as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common import dist, envs
+
+
+def make_envs(args) -> envs.Envs | None:
+    """The evaluation environments of one rank (`--eval-envs`), or None with `--eval-episodes 0`.
+    Same game settings as training, except that a lost life never ends the episode."""
+    if args.eval_episodes <= 0:
+        return None
+    return envs.make_envs(args.env_id, min(args.eval_envs, args.eval_episodes), episodic_life=False,
+                          sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
+                          max_episode_steps=args.eval_max_steps)[0]
+
+
+@torch.no_grad()
+def play(policy, env: envs.Envs, episodes: int, seeds: np.ndarray,
+         device: torch.device) -> tuple[list[float], list[int]]:
+    """Play `episodes` whole games, env j taking games j, j + n, ...; returns (returns, lengths)
+    in game order. policy(obs uint8 [n, 4, 84, 84] on device) -> actions [n]."""
+    n = env.num_envs
+    quota = [episodes // n + (j < episodes % n) for j in range(n)]
+    games: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    obs = env.reset(seeds)
+    env.episodes.clear()
+    while any(len(g) < q for g, q in zip(games, quota)):
+        env.send(policy(torch.from_numpy(obs).to(device)).cpu().numpy())
+        obs = env.recv()[0]
+        done = np.flatnonzero(env.game_over)
+        if len(done):  # Envs appends finished games in index order, one per game over
+            for j, game in zip(done, env.episodes[-len(done):]):
+                if len(games[j]) < quota[j]:
+                    games[j].append(game)
+            env.episodes.clear()
+    order = [games[j][k] for k in range(max(quota)) for j in range(n) if k < len(games[j])]
+    return [r for r, _ in order], [length for _, length in order]
+
+
+def evaluate(policy, env: envs.Envs, args, world: dist.World, global_step: int) -> dict:
+    """Every rank plays `--eval-episodes` games; returns all ranks' games (called by all ranks)
+    as {"returns", "lengths", "mean_return", "episodes"}."""
+    seeds = envs.env_seeds(args.seed + 10**6, world.rank, env.num_envs, offset=global_step)
+    returns, lengths = play(policy, env, args.eval_episodes, seeds, world.device)
+    gathered = dist.all_gather((returns, lengths))
+    returns = [r for rs, _ in gathered for r in rs]
+    lengths = [n for _, ns in gathered for n in ns]
+    return {"returns": returns, "lengths": lengths, "episodes": len(returns),
+            "mean_return": sum(returns) / len(returns) if returns else None}

@@ -1,0 +1,59 @@
+"""Epsilon-greedy exploration for the DQN family (dqn_multigpu.py, cat_dqn.py).
+
+Schedules (--eps-schedule), both functions of the global step only, so a resume (on any number
+of ranks) continues them exactly:
+- `linear`: --eps-start until --learning-starts, then linearly to --eps-end over
+  --eps-decay-steps, then constant. The decay starts after the warm-up, as in DeepMind's DQN code
+  and Dopamine (`linearly_decaying_epsilon(decay_period, step, warmup_steps, epsilon)`): decaying
+  from step 0 would spend part of the schedule before the first update (dqn-512 would be at 0.82
+  at its first update, eps-rainbow-512 at 0.68).
+- `apex`: environment i of all N (i = rank x num_envs + b) keeps the fixed epsilon
+  0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X), from 0.4 down to 0.4^8 = 6.6e-4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def epsilons(args, global_step: int, rank: int, world_size: int) -> torch.Tensor:
+    """Exploration rate of each of this rank's environments [num_envs] (module docstring)."""
+    if args.eps_schedule == "apex":
+        n = world_size * args.num_envs
+        i = rank * args.num_envs + torch.arange(args.num_envs, dtype=torch.float64)
+        return (0.4 ** (1 + 7 * i / max(n - 1, 1))).float()
+    frac = min(1.0, max(0.0, global_step - args.learning_starts) / max(args.eps_decay_steps, 1))
+    return torch.full((args.num_envs,), args.eps_start + frac * (args.eps_end - args.eps_start))
+
+
+def epsilon_greedy(q: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """Actions [n] from Q values [n, A]: uniformly random with probability eps [n], else argmax."""
+    n, num_actions = q.shape
+    explore = torch.rand(n, device=q.device) < eps
+    return torch.where(explore, torch.randint(num_actions, (n,), device=q.device), q.argmax(1))
+
+
+class GroupPolicy:
+    """The sampler's policy: epsilon-greedy on q_fn(obs) [n, A], one epsilon per environment
+    column. The alternating sampler asks for group 0, 1, 0, 1, ... (common/sampler.py), so the
+    call count tells which columns a batch of observations belongs to; the number of groups is
+    read from the sizes (all columns / columns per call), so one policy serves both samplers."""
+
+    def __init__(self, q_fn):
+        self.q_fn, self.calls, self.eps = q_fn, 0, None
+
+    def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
+        self.eps, self.calls = eps, 0
+        return self
+
+    def __call__(self, obs: torch.Tensor):
+        n = len(obs)
+        g = self.calls % (len(self.eps) // n)
+        self.calls += 1
+        return epsilon_greedy(self.q_fn(obs), self.eps[g * n:(g + 1) * n]), {}
+
+
+def status(eps: torch.Tensor, learn_from: int, global_step: int) -> str:
+    """The progress line's note: the mean epsilon, and when learning starts if it has not."""
+    note = f"eps {eps.mean().item():.3f}"
+    return note + (f" | learning from step {learn_from:,}" if global_step < learn_from else "")
