@@ -1,0 +1,425 @@
+"""Score a trained checkpoint on fresh games, and optionally watch its first game as an MP4.
+
+    python benchmarks/evaluate.py RUN_DIR_OR_CHECKPOINT [--episodes 10] [--epsilon E] [--greedy]
+                                  [--video PATH.mp4] [--seed S] [--envs N] [--no-cuda]
+
+Any of the five scripts' checkpoints: a run directory means its newest checkpoint that passes its
+checksum (damaged newer ones are named and skipped). The network is rebuilt from the
+checkpoint's "script" and the run's flags (args.json beside checkpoints/; a flag it lacks takes
+the script's default, and a named --preset's values first), and the games are played by
+common/evaluation.py exactly as the run's own evaluations are: whole games with all lives
+(episodic lives off), FIRE after each lost life as the run had it (--fire-reset), the run's
+sticky actions, and games cut at the run's --eval-max-steps (4,500 = 18,000 frames) counted with
+their score so far. The game is the checkpoint's own env_id.
+
+Policy, as in training's evaluations: the DQN family (dqn_multigpu, cat_dqn) is epsilon-greedy at
+the run's --eval-epsilon (--epsilon E overrides it, --greedy is epsilon 0); the policy-gradient
+scripts (a2c_multigpu, ppo_multigpu, appo_async) sample from their policy (--greedy: argmax).
+
+Seeds: environment seeds come from --seed (default: the run's --seed) through the same
+derivation as training's, tagged apart from it (training uses the tags (seed, rank, step), its
+evaluations (seed + 10^6, rank, step); this script (seed + 2 x 10^6, 0, 0)), so these games are
+none of the ones the run saw, and the same command plays the same games again. The action
+sampling is seeded from --seed too.
+
+Output: a markdown table (mean, std, median, min, max, games, mean length and, for Atari games,
+the human-normalised mean score from benchmarks/atari_scores.py), and eval.json in the
+checkpoint's folder with every game's return and length. An existing eval.json is never
+replaced: the next free name eval-2.json, eval-3.json, ... is taken, and the name printed.
+
+--video PATH.mp4 (Atari ids only) records the first game (evaluation environment 0's) as the
+210x160 RGB screen at 15 frames per second (60 Hz emulator, 4 frames per agent step). The frames
+come from a second ALE vector environment of one game, made with the evaluation environment's
+settings but RGB at full size, reset with environment 0's seed and stepped in lockstep with the
+actions environment 0 executed (the agent's, or the FIRE that common/envs.py presses after a lost
+life); the emulator is deterministic given the seed, so both play the same game, and the
+recorded score and length are checked against environment 0's first game (a warning if they
+differ). The writer is imageio-ffmpeg: a small, maintained package of the imageio project whose
+PyPI wheels carry their own ffmpeg binary (no system ffmpeg, nothing else to install), and which
+streams frames to ffmpeg's H.264 encoder through a pipe, so a 4,500-step game is never held in
+memory. The file is written under a temporary name and linked into place at the end, so an
+interrupted recording leaves no half-written video, and an existing file is never replaced.
+
+Problems a user can cause (no such path, no checkpoint, a damaged or foreign checkpoint, an
+unknown script, a video path that exists) end with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see algos/*.py
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import tyro  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import atari_scores  # noqa: E402
+from common import checkpoint, envs, evaluation  # noqa: E402
+from common.exploration import epsilon_greedy  # noqa: E402
+
+# What each script's network is: a policy-gradient Agent, a Q network, or C51's atom network.
+SCRIPTS = {"a2c_multigpu": "pg", "ppo_multigpu": "pg", "appo_async": "pg",
+           "dqn_multigpu": "dqn", "cat_dqn": "c51"}
+FPS = 15  # 60 Hz emulator, one agent step per 4 frames
+SEED_TAG = 2 * 10**6  # training's evaluations use 10^6 (common/evaluation.py)
+
+
+@dataclass
+class Args:
+    path: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR_OR_CHECKPOINT")]
+    """a run directory (its newest good checkpoint) or a checkpoint file (step_<N>.pt)"""
+    episodes: int = 10
+    """whole games to play, cut ones included"""
+    epsilon: float | None = None
+    """DQN family: exploration rate while playing; default the run's --eval-epsilon"""
+    greedy: bool = False
+    """policy-gradient scripts: the most likely action instead of a sample; DQN family: epsilon 0"""
+    video: str | None = None
+    """record the first game's RGB screen to this new .mp4 file (Atari games only)"""
+    seed: int | None = None
+    """seed of the games and of the action sampling; default the run's --seed"""
+    envs: int | None = None
+    """evaluation environments played side by side; default the run's --eval-envs"""
+    cuda: bool = True
+    """run the network on the GPU when there is one; --no-cuda forces the CPU"""
+
+
+class UserError(Exception):
+    """A problem with the command line or the files it names: one line, exit code 2."""
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint file a path names: itself, or a run directory's newest good one."""
+    if path.is_dir():
+        found = checkpoint.checkpoints(path)
+        if not found:
+            raise UserError(f"no checkpoint (step_*.pt) in {path}")
+        skipped = []
+        for ckpt in reversed(found):
+            problem = checkpoint.verify(ckpt)
+            if problem is None:
+                for bad, why in skipped:  # the run goes on, so these are only warnings
+                    print(f"warning: skipping checkpoint {bad}: {why}", file=sys.stderr)
+                return ckpt
+            skipped.append((ckpt, problem))
+        raise UserError(f"no readable checkpoint in {path}: {found[-1].name}"
+                        + (f" and {len(found) - 1} earlier" if len(found) > 1 else "")
+                        + f" failed ({skipped[0][1]})")
+    if not path.exists():
+        raise UserError(f"no such run directory or checkpoint: {path}")
+    problem = checkpoint.verify(path)
+    if problem:
+        raise UserError(f"cannot read checkpoint {path}: {problem}")
+    return path
+
+
+def read_checkpoint(ckpt: Path) -> dict:
+    try:
+        state = checkpoint.load(ckpt)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not isinstance(state, dict) or "model" not in state or "script" not in state:
+        raise UserError(f"{ckpt} is not an accelrl checkpoint (it has no 'model' and 'script')")
+    if state["script"] not in SCRIPTS:
+        raise UserError(f"checkpoint {ckpt} was written by {state['script']!r}, which "
+                        f"evaluate.py does not know (known: {', '.join(SCRIPTS)})")
+    return state
+
+
+def load_script(name: str):
+    """algos/<name>.py as a module (the scripts are not a package: users launch them by path)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "algos" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_args(module, ckpt: Path, state: dict):
+    """The run's flags as the script's Args: its defaults, then the run's --preset, then
+    args.json (which holds the resolved flags; the earlier layers only fill what it lacks)."""
+    try:
+        saved = checkpoint.saved_args(ckpt)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {checkpoint.run_of(ckpt) / 'args.json'}: {e}") from None
+    if not saved:
+        print(f"warning: no args.json beside {ckpt.parent}; using {state['script']}'s defaults",
+              file=sys.stderr)
+    fields = set(module.Args.__dataclass_fields__)
+    preset = getattr(module, "PRESETS", {}).get(saved.get("preset"), {})
+    merged = {**preset, **{k: v for k, v in saved.items() if k in fields},
+              "env_id": state.get("env_id") or saved.get("env_id") or module.Args.env_id}
+    return module.Args(**merged)
+
+
+def build_network(module, kind: str, weights: dict, num_actions: int) -> torch.nn.Module:
+    """The script's network for `weights`. Dueling heads and C51's atoms are read from the
+    weights themselves (they are what was trained, whatever a flag says)."""
+    dueling = any(k.startswith("value.") for k in weights)
+    if kind == "pg":
+        return module.Agent(num_actions)
+    if kind == "dqn":
+        return module.QNetwork(num_actions, dueling)
+    if "support" not in weights:
+        raise UserError("cat_dqn checkpoint without the model's 'support' (its atoms)")
+    return module.C51Network(num_actions, weights["support"], dueling)
+
+
+def make_policy(kind: str, model: torch.nn.Module, greedy: bool, epsilon: float | None,
+                num_envs: int, device: torch.device):
+    """obs uint8 [n, 4, 84, 84] on device -> actions [n], as training's evaluations act."""
+    if kind == "pg":
+        if greedy:
+            return lambda obs: model(obs)[0].argmax(1)
+        return lambda obs: torch.distributions.Categorical(logits=model(obs)[0]).sample()
+    q = model if kind == "dqn" else model.q_values
+    eps = torch.full((num_envs,), epsilon, device=device)
+    return lambda obs: epsilon_greedy(q(obs), eps[:len(obs)])
+
+
+class VideoRecorder:
+    """Stands in for the evaluation `Envs` in evaluation.play and records environment 0's first
+    game from a second, RGB, full-size ALE environment stepped in lockstep (module docstring)."""
+
+    def __init__(self, env: envs.Envs, run, path: Path):
+        import imageio_ffmpeg
+        from ale_py.vector_env import AtariVectorEnv
+
+        self.env, self.path = env, path
+        # The evaluation environment's settings (common/envs.py, Envs with episodic lives off)
+        self.venv = AtariVectorEnv(
+            env.game, 1, num_threads=1, noop_max=30, use_fire_reset=run.fire_reset,
+            episodic_life=False, life_loss_info=False, reward_clipping=False,
+            repeat_action_probability=0.25 if run.sticky_actions else 0.0,
+            autoreset_mode="SameStep", max_num_frames_per_episode=4 * run.eval_max_steps,
+            grayscale=False, img_height=210, img_width=160, stack_num=1)
+        # ffmpeg chooses the container from the name, so the temporary file ends in .mp4 too
+        self.tmp = path.with_name(f".{path.stem}.{os.getpid()}.partial.mp4")
+        self.writer = imageio_ffmpeg.write_frames(
+            str(self.tmp), (160, 210), fps=FPS, codec="libx264", pix_fmt_out="yuv420p",
+            macro_block_size=2)  # 210 x 160 is even, as yuv420p needs: no rescaling
+        self.writer.send(None)  # starts ffmpeg
+        self.recording, self.frames, self.score, self.length = True, 0, 0.0, 0
+        self.lives, self.fire_next, self.keep = 0, False, False
+
+    def __getattr__(self, name):  # num_envs, episodes, game_over...: the evaluation env's
+        return getattr(self.env, name)
+
+    def _frame(self, rgb: np.ndarray) -> None:
+        self.writer.send(np.ascontiguousarray(rgb))
+        self.frames += 1
+
+    def reset(self, seeds: np.ndarray) -> np.ndarray:
+        obs, info = self.venv.reset(seed=np.asarray(seeds[:1]))
+        self.lives = int(info["lives"][0])
+        self._frame(obs[0, -1])
+        return self.env.reset(seeds)
+
+    def send(self, actions: np.ndarray) -> None:
+        if self.recording:
+            # The action environment 0 executes: FIRE after a lost life, as Envs.send does
+            action = self.env.fire if self.fire_next else actions[0]
+            self.venv.send(np.asarray([action], dtype=actions.dtype))
+        self.env.send(actions)
+
+    def recv(self):
+        out = self.env.recv()
+        if self.recording:
+            obs, reward, terminated, truncated, info = self.venv.recv()
+            self.score += float(reward[0])
+            self.length += 1
+            lives = int(info["lives"][0])
+            over = bool(terminated[0] or truncated[0])
+            self.fire_next = self.env.fire is not None and lives < self.lives and not over
+            self.lives = lives
+            if over:  # SameStep autoreset: obs is the next game's; its last screen is final_obs
+                self._frame(info["final_obs"][0, -1])
+                self.recording = False
+            else:
+                self._frame(obs[0, -1])
+        return out
+
+    def finish(self) -> None:
+        """Close the encoder and give the video its name (never over an existing file)."""
+        self._stop()
+        try:
+            os.link(self.tmp, self.path)  # fails if the name was taken while recording
+        except FileExistsError:
+            self.keep = True
+            raise UserError(f"{self.path} appeared while recording; the video is {self.tmp}") \
+                from None
+        except OSError:  # a file system without hard links: check, then rename
+            if self.path.exists():
+                self.keep = True
+                raise UserError(f"{self.path} appeared while recording; the video is "
+                                f"{self.tmp}") from None
+            os.replace(self.tmp, self.path)
+
+    def _stop(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # waits for ffmpeg to finish the file
+            self.writer = None
+            self.venv.close()
+
+    def close(self) -> None:
+        """Stop ffmpeg and the emulator; the temporary name goes (after finish() it is a second
+        link to the video) unless finish() had to keep it."""
+        self._stop()
+        if not self.keep:
+            self.tmp.unlink(missing_ok=True)
+
+
+def next_free(folder: Path, stem: str = "eval", suffix: str = ".json") -> tuple[Path, object]:
+    """eval.json, else eval-2.json, eval-3.json, ...: created here (exclusively, so two
+    evaluations at once cannot take the same name); returns (path, open file)."""
+    k = 1
+    while True:
+        path = folder / (f"{stem}{suffix}" if k == 1 else f"{stem}-{k}{suffix}")
+        try:
+            return path, open(path, "x")
+        except FileExistsError:
+            k += 1
+
+
+def table(returns: list[float], lengths: list[int], hns: float | None) -> str:
+    cols = ["mean", "std", "median", "min", "max", "games", "mean length", "human-normalised"]
+    r = np.asarray(returns, float)
+    vals = [f"{r.mean():.2f}", f"{r.std():.2f}", f"{np.median(r):.2f}", f"{r.min():.2f}",
+            f"{r.max():.2f}", str(len(r)), f"{np.mean(lengths):.1f}",
+            "n/a" if hns is None else f"{hns:.3f}"]
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+                      "| " + " | ".join(vals) + " |"])
+
+
+def check_flags(args: Args) -> None:
+    if args.episodes <= 0:
+        raise UserError(f"--episodes must be positive, got {args.episodes}")
+    if args.envs is not None and args.envs <= 0:
+        raise UserError(f"--envs must be positive, got {args.envs}")
+    if args.epsilon is not None and not 0.0 <= args.epsilon <= 1.0:
+        raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}")
+    if args.video is not None:
+        video = Path(args.video)
+        if video.suffix.lower() != ".mp4":
+            raise UserError(f"--video writes an MP4: the name must end in .mp4, got {video}")
+        if video.exists():
+            raise UserError(f"{video} exists; choose another --video name")
+        if not video.parent.is_dir():
+            raise UserError(f"--video: no such folder {video.parent}")
+
+
+def evaluate(args: Args) -> dict:
+    check_flags(args)
+    ckpt = find_checkpoint(Path(args.path))
+    state = read_checkpoint(ckpt)
+    script, kind = state["script"], SCRIPTS[state["script"]]
+    module = load_script(script)
+    run = run_args(module, ckpt, state)
+    if kind == "pg" and args.epsilon is not None:
+        raise UserError(f"--epsilon is the DQN family's; {script} samples from its policy "
+                        "(--greedy plays its most likely action)")
+    if kind != "pg" and args.greedy and args.epsilon is not None:
+        raise UserError("--greedy is epsilon 0: give --greedy or --epsilon, not both")
+    epsilon = None if kind == "pg" else (
+        0.0 if args.greedy else run.eval_epsilon if args.epsilon is None else args.epsilon)
+    try:
+        game = envs.ale_game(run.env_id)
+    except envs.EnvError as e:
+        raise UserError(str(e)) from None
+    if args.video and game is None:
+        raise UserError(f"--video records Atari games; {run.env_id} is not one")
+    if not os.access(ckpt.parent, os.W_OK):  # before any game is played, not after
+        raise UserError(f"cannot write eval.json: {ckpt.parent} is not writable")
+
+    seed = run.seed if args.seed is None else args.seed
+    num_envs = min(args.envs or run.eval_envs, args.episodes)
+    run = dataclasses.replace(run, eval_envs=num_envs, eval_episodes=args.episodes)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    try:
+        env = evaluation.make_envs(run)
+    except envs.EnvError as e:
+        raise UserError(str(e)) from None
+    model = build_network(module, kind, state["model"], env.num_actions)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        env.close()
+        raise UserError(f"checkpoint {ckpt} does not fit {script}'s network on {run.env_id} "
+                        f"({env.num_actions} actions): {str(e).splitlines()[0]}") from None
+    model.to(device).eval()
+    policy = make_policy(kind, model, args.greedy, epsilon, num_envs, device)
+
+    torch.manual_seed(seed)
+    seeds = envs.env_seeds(seed + SEED_TAG, 0, num_envs)
+    recorder = VideoRecorder(env, run, Path(args.video)) if args.video else None
+    t0 = time.time()
+    try:
+        returns, lengths = evaluation.play(policy, recorder or env, args.episodes, seeds, device)
+        if recorder:
+            recorder.finish()
+    finally:
+        if recorder:
+            recorder.close()
+        env.close()
+    wall = time.time() - t0
+
+    mean = statistics.fmean(returns)
+    hns = atari_scores.human_normalised(run.env_id, mean) if game else None
+    policy_name = ("greedy" if args.greedy else "sampled") if kind == "pg" else "epsilon-greedy"
+    print(f"{ckpt} ({script}, step {state.get('global_step', 0):,}) on {run.env_id}: "
+          f"{len(returns)} games, {policy_name}"
+          + (f" (epsilon {epsilon:g})" if epsilon is not None else "")
+          + f", cap {run.eval_max_steps:,} steps, {wall:.1f} s on {device}")
+    print(table(returns, lengths, hns))
+    result = {
+        "checkpoint": str(ckpt), "script": script, "env_id": run.env_id,
+        "global_step": state.get("global_step"), "episodes": len(returns),
+        "returns": returns, "lengths": lengths, "mean_return": mean,
+        "std_return": float(np.std(returns)), "median_return": float(np.median(returns)),
+        "min_return": min(returns), "max_return": max(returns),
+        "mean_length": statistics.fmean(lengths), "human_normalized": hns,
+        "policy": policy_name, "epsilon": epsilon, "seed": seed, "envs": num_envs,
+        "eval_max_steps": run.eval_max_steps, "fire_reset": run.fire_reset,
+        "sticky_actions": run.sticky_actions, "device": str(device), "wall_seconds": wall,
+        "video": args.video,
+    }
+    if recorder:
+        result["video_frames"] = recorder.frames
+        result["video_return"], result["video_length"] = recorder.score, recorder.length
+        if (recorder.score, recorder.length) != (returns[0], lengths[0]):
+            print(f"warning: the video's game (score {recorder.score:g}, {recorder.length} steps) "
+                  f"is not the first evaluated game (score {returns[0]:g}, {lengths[0]} steps): "
+                  "the recording environment fell out of step", file=sys.stderr)
+        print(f"video: {args.video} ({recorder.frames} frames, {recorder.frames / FPS:.1f} s)")
+    try:
+        path, f = next_free(ckpt.parent)
+        with f:
+            json.dump(result, f, indent=2)
+    except OSError as e:
+        raise UserError(f"cannot write the results beside {ckpt}: {e}") from None
+    print(f"wrote {path}")
+    return result
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    try:
+        evaluate(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
