@@ -23,11 +23,12 @@ games of the paper's median human-normalised scores (`atari57`: all 57). Default
 Each run is `python algos/<script>.py ... --run-dir RUNS/NAME/<game>/<config>/seed<k>
 --resume auto`: a finished run (its summary.json exists and reached the run's total: a run
 stopped by a signal writes one too) is skipped, an interrupted one continues from its newest
-checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a
-time, each pinned to its own GPU(s) through CUDA_VISIBLE_DEVICES when there are GPUs; output
-goes to RUNS/NAME/logs/. Ctrl-C (or SIGTERM) stops the running runs with a checkpoint (each
-gets one SIGTERM) and the same command later continues them. `--print-commands` prints one shell line per unfinished run instead
-(for a job array or GNU parallel). Plot with `python benchmarks/plot.py RUNS/NAME`.
+checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a time, each
+pinned to its own GPU(s) through CUDA_VISIBLE_DEVICES when there are GPUs; output goes to
+RUNS/NAME/logs/ (appended to: a restarted run's log keeps its earlier attempts). Ctrl-C (or
+SIGTERM) stops the running runs with a checkpoint (each gets one SIGTERM) and the same command
+later continues them. `--print-commands` prints one shell line per unfinished run instead (for
+a job array or GNU parallel). Plot with `python benchmarks/plot.py RUNS/NAME`.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def main() -> None:
             print(f"[{i}/{len(todo)}] start {r.config.label} {r.game} seed {r.seed}"
                   + (f" on GPU {','.join(slot)}" if slot else ""), flush=True)
             t0 = time.time()
-            with open(log, "w") as f:
+            with open(log, "a") as f:  # a resumed run's earlier attempts stay in its log
                 f.write(shlex.join(cmd) + "\n")
                 f.flush()
                 # Own session: a Ctrl-C reaches only this runner, which stops each run once.

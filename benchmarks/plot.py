@@ -40,7 +40,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import atari_scores, registry  # noqa: E402
+from benchmarks import atari_scores, outputs, registry  # noqa: E402
 
 
 @dataclass
@@ -48,7 +48,8 @@ class Args:
     paths: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PATH")]
     """run directories, or folders to search for them"""
     out: str | None = None
-    """output folder; default <first path>/plots"""
+    """output folder, written as given (overwriting); default <first path>/plots, beside the runs
+    (under runs/ for experiments.py's), or the next free plots-2, plots-3, ..."""
     window: int = 100
     """games in each run's running mean"""
     points: int = 200
@@ -210,6 +211,10 @@ def score_tables(runs: list[RunData]) -> tuple[str, dict[str, float | None]]:
     return "\n".join(lines) + "\n", medians
 
 
+def output_dir(args: Args) -> Path:
+    return Path(args.out) if args.out else outputs.unused(Path(args.paths[0]) / "plots")
+
+
 def main() -> None:
     args = tyro.cli(Args)
     paths = [Path(p) for p in args.paths]
@@ -221,7 +226,7 @@ def main() -> None:
         print(f"error: no runs (summary.json or TensorBoard events) under "
               f"{', '.join(map(str, paths))}", file=sys.stderr)
         sys.exit(2)
-    out = Path(args.out) if args.out else paths[0] / "plots"
+    out = output_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     runs = [load_run(d) for d in run_dirs]
     rows = curves(runs, args.window, args.points)

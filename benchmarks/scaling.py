@@ -24,9 +24,10 @@ Run:
     python benchmarks/scaling.py                                  # every configuration, GPUs
     python benchmarks/scaling.py --algos a2c ppo --ranks 1 2 4 8 --env-id Breakout-v5
     python benchmarks/scaling.py --no-cuda --ranks 1 2 --warmup 20 --seconds 40   # a CPU check
-Outputs (--out PREFIX, default benchmarks/results/scaling-<host>-<device>): PREFIX.json (every
-number, the commands, the hardware line), PREFIX.md (the table, laid out as the paper's Table 2
-with the paper's hours beside ours), PREFIX.png (steps/s against ranks, with the ideal line).
+Outputs (--out PREFIX, default runs/benchmarks/scaling-<host>-<device>, numbered -2, -3, ...
+where that exists: see benchmarks/outputs.py): PREFIX.json (every number, the commands, the
+hardware line), PREFIX.md (the table, laid out as the paper's Table 2 with the paper's hours
+beside ours), PREFIX.png (steps/s against ranks, with the ideal line).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import registry  # noqa: E402
+from benchmarks import outputs, registry  # noqa: E402
 
 PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-interval progress line
 STEPS_50M = 50_000_000
@@ -75,7 +76,8 @@ class Args:
     flags: str = ""
     """extra flags for every run, e.g. --flags='--num-envs 32' (one string, split on spaces)"""
     out: str | None = None
-    """output prefix; default benchmarks/results/scaling-<host>-<device>"""
+    """output prefix, written as given (overwriting); default
+    runs/benchmarks/scaling-<host>-<device>, or the next free one numbered -2, -3, ..."""
     keep_runs: str | None = None
     """keep the run directories under this folder (default: a temporary folder, deleted)"""
 
@@ -339,6 +341,15 @@ def plot(results: list[Result], path: Path, hw: dict, env_id: str) -> None:
     plt.close(fig)
 
 
+def output_prefix(args: Args, use_cuda: bool) -> Path:
+    """Where PREFIX.json, .md and .png go: --out as given, else a default that is free."""
+    if args.out:
+        return Path(args.out)
+    device = "cuda" if use_cuda else "cpu"
+    return outputs.unused(outputs.RUNS / f"scaling-{outputs.host()}-{device}",
+                          (".json", ".md", ".png"))
+
+
 def _interrupted(signum, frame):
     raise KeyboardInterrupt  # a SIGTERM here stops the current run cleanly, as Ctrl-C does
 
@@ -404,9 +415,7 @@ def main() -> None:
     derived(results)
     table = markdown(results, ranks, hw, args)
     print("\n" + table)
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", hw["host"])
-    prefix = Path(args.out or ROOT / f"benchmarks/results/scaling-{host}-"
-                  f"{'cuda' if use_cuda else 'cpu'}")
+    prefix = output_prefix(args, use_cuda)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     rows = [{**asdict(r), "paper_hours": dict(zip(registry.PAPER_RANKS,
                                                   registry.ALGOS[r.algo].paper_hours))}
