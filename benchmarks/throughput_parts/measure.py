@@ -1,0 +1,171 @@
+"""What every part of benchmarks/throughput.py shares: the hardware line, timing that waits for
+the GPU at its edges, the end-to-end runner and the markdown table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from functools import cache
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts set it
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-iteration progress line
+
+
+@cache  # one module per script: two copies would hold two sets of dataclasses
+def load_algo(name: str):
+    """algos/<name>.py as a module (the scripts are launched by path, not installed)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "algos" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def hardware(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = names[0].strip() if names else cpu
+    except OSError:
+        pass
+    import ale_py
+
+    hw = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
+          "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+          "torch": torch.__version__, "ale_py": ale_py.__version__,
+          "torch_threads": torch.get_num_threads(),
+          "env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                   "MKL_NUM_THREADS") if k in os.environ}}
+    hw["line"] = (f"{hw['cpu']}, {hw['cores']} cores" + (f", {hw['gpu']}" if hw["gpu"] else "")
+                  + f"; torch {hw['torch']} ({hw['torch_threads']} threads), ale-py {hw['ale_py']}"
+                  + "".join(f", {k}={v}" for k, v in hw["env_vars"].items()))
+    return hw
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work: a host timer read without it times the launches only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, steps_per_call: int, seconds: float, device: torch.device, warmup: int = 1) -> dict:
+    """Call fn `warmup` times untimed, then until `seconds` have passed; steps/s over the calls.
+    The loop reads the clock without synchronising (the GPU may run a few calls behind), and the
+    sync before the last reading brings that work inside the timed span."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0, calls = time.perf_counter(), 0
+    while True:
+        fn()
+        calls += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    return {"steps_per_s": calls * steps_per_call / elapsed, "steps": calls * steps_per_call,
+            "seconds": elapsed}
+
+
+def per_call(fn, calls: int, device: torch.device) -> float:
+    """Seconds per call of fn over `calls` calls, after one untimed warm-up call."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / calls
+
+
+def random_rollout(n: int, num_actions: int, device: torch.device) -> dict:
+    """A flat batch of n samples shaped as a policy-gradient update takes it (random values)."""
+    return {"obs": torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, device=device),
+            "actions": torch.randint(num_actions, (n,), device=device),
+            "logprob": torch.full((n,), -math.log(num_actions), device=device),
+            "value": torch.randn(n, device=device), "advantages": torch.randn(n, device=device),
+            "returns": torch.randn(n, device=device)}
+
+
+def run_e2e(script: str, flags: list[str], a, use_cuda: bool, run_dir: Path) -> dict:
+    """Train algos/<script>.py (a.env_id, a.seed, a.torch_threads) for a.e2e_seconds after its
+    first progress line, then SIGINT it (its clean stop).
+
+    Steady-state steps/s is timed between progress lines (one per iteration, or per log
+    interval), so start-up and the first iteration are left out; summary.json's sps also counts
+    them and the final checkpoint. Phase shares are summary.json's phase_seconds over its
+    wall_seconds."""
+    cmd = [sys.executable, str(ROOT / "algos" / f"{script}.py"), "--env-id", a.env_id,
+           "--seed", str(a.seed), "--total-timesteps", str(10**12), "--run-dir", str(run_dir),
+           "--cuda" if use_cuda else "--no-cuda", *flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if a.torch_threads:
+        env["OMP_NUM_THREADS"] = str(a.torch_threads)
+    lines, start = [], time.perf_counter()  # (seconds since start, global step) per iteration
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+        watchdog = threading.Timer(a.e2e_seconds + 600, proc.kill)  # never hang the benchmark
+        watchdog.start()
+        stop = None  # started at the first progress line
+        for line in proc.stdout:
+            m = PROGRESS.search(line)
+            if m:
+                lines.append((time.perf_counter() - start, int(m.group(1).replace(",", ""))))
+                if stop is None:
+                    stop = threading.Timer(a.e2e_seconds, proc.send_signal, [signal.SIGINT])
+                    stop.start()
+        proc.wait()
+        for timer in filter(None, (watchdog, stop)):
+            timer.cancel()
+        err.seek(0)
+        stderr = err.read()
+    out = {"cmd": " ".join(cmd[1:]), "returncode": proc.returncode, "iterations": len(lines),
+           "first_iteration_done_s": lines[0][0] if lines else None, "steady_sps": None}
+    if len(lines) >= 2:  # iteration 2 onwards: no start-up, no first-iteration warm-up
+        (t0, s0), (t1, s1) = lines[0], lines[-1]
+        out.update(steady_sps=(s1 - s0) / (t1 - t0), steady_seconds=t1 - t0, steady_steps=s1 - s0)
+    if len(lines) < 2 or proc.returncode != 0:
+        out["error"] = stderr.strip()[-2000:] or "fewer than 2 progress lines"
+    summary_path = run_dir / "summary.json"
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        out["summary"] = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps",
+                                                "phase_seconds")}
+        wall, phases = s["wall_seconds"], s.get("phase_seconds") or {}
+        out["phase_share"] = {**{k: v / wall for k, v in phases.items()},
+                              "other": 1 - sum(phases.values()) / wall}
+    return out
+
+
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def table(rows: list[tuple[str, ...]], res: dict, notes: str = ".") -> str:
+    """The markdown table of rows (a header, then the measurements), then the hardware line;
+    notes follow the device, so they start with their own punctuation."""
+    header, *body = rows
+    lines = [header, ("-",) * len(header), *body]
+    return ("\n".join("| " + " | ".join(row) + " |" for row in lines)
+            + f"\n\nHardware: {res['hardware']['line']}; device {res['device']}{notes}")
+
+
+def e2e_shares(e: dict) -> str:
+    """An end-to-end run's phase shares, as 'env 4%, inference 7%, ...'."""
+    return ", ".join(f"{k} {100 * v:.0f}%" for k, v in (e.get("phase_share") or {}).items())
