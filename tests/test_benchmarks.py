@@ -1,20 +1,26 @@
-"""The paper-reproduction benchmarks: experiments runner, plots and scores, scaling table.
+"""The paper-reproduction benchmarks: experiments runner, plots and scores, scaling table,
+throughput, and where they write.
 
 Kept small for CI: two tiny PPO configurations of the smoke experiment on the synthetic Catch
-game, and a scaling table of PPO on Catch at 1 and 2 gloo ranks with a few seconds each.
+game, a scaling table of PPO on Catch at 1 and 2 gloo ranks with a few seconds each, and the
+throughput entry point's ppo, dqn and catdqn parts at toy sizes.
 """
 
+import ast
 import csv
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.conftest import CHILD_ENV, ROOT
 
-from benchmarks import atari_scores, experiments, plot, registry, scaling  # noqa: E402
+from benchmarks import atari_scores, experiments, outputs, plot, registry, scaling  # noqa: E402
+from benchmarks import throughput  # noqa: E402
 
 CATCH = "tests.catch_env:Catch-v0"
 
@@ -137,6 +143,10 @@ def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
     (scaling, ["--algos", "ddpg"], "unknown configuration 'ddpg'"),
     (scaling, ["--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
     (plot, ["/no/such/runs"], "no such path"),
+    (throughput, ["ppo", "ddpg"], "unknown part 'ddpg'; choose from ppo, a2c, dqn, catdqn, appo"),
+    (throughput, ["ppo", "--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
+    (throughput, ["dqn", "--seconds", "0"], "--seconds must be positive"),
+    (throughput, ["appo", "--appo.sampler-cores", "4096"], "must be a strict subset"),
 ])
 def test_bad_input_gives_one_line_error(module, argv, message, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", [module.__name__, *argv])
@@ -156,3 +166,119 @@ def test_registry_has_every_script_and_paper_numbers():
     assert registry.steps_per_iteration(registry.ALGOS["ppo"], {"num_envs": 8, "num_steps": 128},
                                         4) == 4096
     assert registry.warm_steps(registry.ALGOS["dqn-512"], {"learning_starts": 500}) == 500
+
+
+def key_paths(d: dict, prefix: tuple = ()) -> set[tuple]:
+    """Every key of a result, nested; the keys inside per-run dicts of names (phases, variables)
+    depend on the run, so those dicts count as one key."""
+    out = set()
+    for k, v in d.items():
+        out.add(prefix + (k,))
+        if isinstance(v, dict) and k not in ("env_vars", "phase_seconds", "phase_share"):
+            out |= key_paths(v, prefix + (k,))
+    return out
+
+
+def test_throughput_parts_write_the_committed_fields(tmp_path):
+    out = tmp_path / "results"
+    proc = bench("throughput.py", "ppo", "dqn", "catdqn", "--env-id", CATCH, "--no-cuda",
+                 "--seconds", "0.2", "--e2e-seconds", "0.5", "--out", str(out),
+                 "--ppo.num-envs", "2", "--ppo.num-steps", "16",
+                 "--dqn.replay-size", "1024", "--dqn.num-envs", "2", "--dqn.batch-size", "32",
+                 "--dqn.samples", "2", "--dqn.no-e2e",
+                 "--catdqn.batch-size", "32", "--catdqn.repeats", "2", "--catdqn.no-e2e")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    host = outputs.host()
+    written = {p.name for p in out.iterdir()}
+    assert written == {f"{s}-{host}-cpu.json" for s in ("throughput", "throughput-dqn",
+                                                       "throughput-cat-dqn")}
+    not_run = {"throughput": {"a2c_e2e_plain", "a2c_e2e_alternating"},
+               "throughput-dqn": {"dqn_e2e"},
+               "throughput-cat-dqn": {"cat_dqn_e2e", "load_average_at_end"}}
+    families = {f.STEM: f for f in throughput.FAMILIES.values()}
+    for stem, skipped in not_run.items():
+        res = json.loads((out / f"{stem}-{host}-cpu.json").read_text())
+        committed = json.loads((ROOT / "benchmarks" / "results" / f"{stem}-vm-cpu.json")
+                               .read_text())
+        expected = {p for p in key_paths(committed) if p[0] not in skipped}
+        assert expected <= key_paths(res), sorted(expected - key_paths(res))
+        assert not skipped & set(res)
+        assert res["device"] == "cpu" and res["args"]["env_id"] == CATCH
+        assert res["args"]["seconds"] == 0.2 and res["args"]["e2e_seconds"] == 0.5
+        assert res["hardware"]["line"] in res["table_markdown"]
+        assert res["table_markdown"] == families[stem].report(res, SimpleNamespace(**res["args"]))
+        assert res["table_markdown"] in proc.stdout
+    res = json.loads((out / f"throughput-{host}-cpu.json").read_text())
+    assert res["args"]["ppo"] and not res["args"]["a2c"]
+    for alt in ("plain", "alternating"):
+        e = res[f"ppo_e2e_{alt}"]
+        assert e["returncode"] == 0 and "error" not in e and e["steady_sps"] > 0
+        assert e["steady_sps"] == pytest.approx(e["steady_steps"] / e["steady_seconds"])
+        assert res["ratios"][f"ppo_e2e_over_bound_{alt}"] == pytest.approx(
+            e["steady_sps"] / res["ratios"][f"ppo_bound_{alt}"])
+        assert f"| PPO, 2 envs, end to end, {alt} | " in res["table_markdown"]
+    assert res["learner"]["batch_size"] == 32 and res["raw_env"]["steps_per_s"] > 0
+    dqn = json.loads((out / f"throughput-dqn-{host}-cpu.json").read_text())
+    assert dqn["sample_prioritized"]["batches"] == 2 and dqn["replay_transitions"] > 0
+    c51 = json.loads((out / f"throughput-cat-dqn-{host}-cpu.json").read_text())
+    assert c51["projection"]["max_abs_diff_vs_per_atom"] < 1e-4  # the references agree
+
+
+def test_committed_throughput_results_still_render():
+    for family in throughput.FAMILIES.values():
+        res = json.loads((ROOT / "benchmarks" / "results" / f"{family.STEM}-vm-cpu.json")
+                         .read_text())
+        table = family.report(res, SimpleNamespace(**res["args"]))
+        assert table.splitlines()[0] == res["table_markdown"].splitlines()[0]
+        assert table.splitlines()[-1] == res["table_markdown"].splitlines()[-1]  # hardware
+        if family is not throughput.ppo_part:  # its committed table predates the quartiles
+            assert table == res["table_markdown"]
+
+
+def test_no_benchmark_writes_into_results_by_default():
+    runs = ROOT / "runs"
+    defaults = [throughput.output_path(f.STEM, torch.device(d), None)
+                for f in throughput.FAMILIES.values() for d in ("cpu", "cuda")]
+    defaults += [scaling.output_prefix(scaling.Args(), use_cuda) for use_cuda in (False, True)]
+    defaults.append(plot.output_dir(plot.Args(paths=(str(runs / "experiments" / "smoke"),))))
+    defaults.append(ROOT / experiments.Args(name="smoke").runs)  # relative: cwd is the root here
+    for path in defaults:
+        resolved = path.resolve()
+        assert resolved.is_relative_to(runs.resolve()), path
+        assert not resolved.is_relative_to(outputs.RESULTS.resolve()), path
+    # Nothing else in benchmarks/ names the results folder in code (docstrings may): a new
+    # script's default cannot point there either.
+    for script in (ROOT / "benchmarks").rglob("*.py"):
+        if script.name == "outputs.py":
+            continue
+        tree = ast.parse(script.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and id(node) not in docs:
+                assert "benchmarks/results" not in node.value, (script, node.lineno)
+
+
+def test_default_outputs_are_never_overwritten(tmp_path, monkeypatch):
+    monkeypatch.setattr(outputs, "RUNS", tmp_path)
+    cpu, host = torch.device("cpu"), outputs.host()
+    first = throughput.output_path("throughput-dqn", cpu, None)
+    assert first == tmp_path / f"throughput-dqn-{host}-cpu.json"
+    first.write_text("{}")
+    second = throughput.output_path("throughput-dqn", cpu, None)
+    assert second == tmp_path / f"throughput-dqn-{host}-cpu-2.json"
+    second.write_text("{}")
+    assert throughput.output_path("throughput-dqn", cpu, None).name.endswith("-cpu-3.json")
+    explicit = tmp_path / "asked"
+    assert throughput.output_path("throughput-dqn", cpu, str(explicit)) == \
+        explicit / f"throughput-dqn-{host}-cpu.json"  # --out is written as given
+
+    prefix = scaling.output_prefix(scaling.Args(), False)
+    assert prefix == tmp_path / f"scaling-{host}-cpu"
+    prefix.with_name(prefix.name + ".png").write_bytes(b"")  # any one of its three files
+    assert scaling.output_prefix(scaling.Args(), False) == tmp_path / f"scaling-{host}-cpu-2"
+    assert scaling.output_prefix(scaling.Args(out=str(prefix)), False) == prefix
+
+    (tmp_path / "runs" / "plots").mkdir(parents=True)
+    assert plot.output_dir(plot.Args(paths=(str(tmp_path / "runs"),))) == \
+        tmp_path / "runs" / "plots-2"
