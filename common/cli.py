@@ -55,8 +55,8 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
             print(f"run {run_dir} already finished at step {done:,} (--total-timesteps "
                   f"{args.total_timesteps:,}); nothing to do. Pass a larger --total-timesteps to "
                   "train on", flush=True)
-        dist.cleanup()
-        sys.exit(0)
+        dist.finish(0)
+        sys.exit(0)  # without a group finish() returns
     cores = os.cpu_count() or 1
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if world.device.type == "cpu" and local_ranks > cores and world.local_rank == 0:
