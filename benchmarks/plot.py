@@ -1,6 +1,11 @@
 """Learning curves and human-normalised scores from run directories.
 
-    python benchmarks/plot.py runs/experiments/many-envs [more dirs or runs ...] [--out DIR]
+    python benchmarks/plot.py runs/experiments/many-envs [more folders ...] [--out DIR]
+    python benchmarks/plot.py RUN_DIR [RUN_DIR ...] [--out DIR]
+
+Two modes, by what the paths are. Folders to search (experiments.py's layout, below) give one
+curve per configuration over its seeds. Paths that are all run directories themselves (each has
+summary.json or TensorBoard events) give one curve per run ("Ordinary runs", at the end).
 
 Finds every run under the given paths (a directory with summary.json or TensorBoard events) and
 reads it with TensorBoard's EventAccumulator and its summary.json. A run's game is its --env-id;
@@ -22,12 +27,22 @@ Scores: a run's final score is summary.json's mean_return_last100. Human-normali
 configuration and game, the mean over seeds; per configuration, the median over its games (the
 paper's summary statistic). Printed as markdown and written to <out>/scores.md; games without
 reference scores (Catch) get raw scores only.
+
+Ordinary runs: one figure, <out>/runs.png (default out: runs/plots/ in the checkout, never
+benchmarks/results/), with a line per run: the training score (the running mean over --window
+games, as above) and, when a run evaluated, its evaluations' mean score (charts/eval_return), each
+against environment steps and against hours. Every plotted point goes to runs.csv and the
+per-run table (steps, games, last-100 score, last evaluation, human-normalised) to runs.md, and
+is printed. A run that has not finished a game yet has no curve to draw: it is named in a note
+on the figure and in the table, not left out. Nothing is overwritten: when any of runs.png,
+runs.csv or runs.md exists, the three are runs-2.*, then runs-3.*, and so on.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import statistics
 import sys
@@ -48,8 +63,10 @@ class Args:
     paths: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PATH")]
     """run directories, or folders to search for them"""
     out: str | None = None
-    """output folder, written as given (overwriting); default <first path>/plots, beside the runs
-    (under runs/ for experiments.py's), or the next free plots-2, plots-3, ..."""
+    """output folder. Folders searched: written as given (overwriting); default <first
+    path>/plots, beside the runs (under runs/ for experiments.py's), or the next free one.
+    Run directories: default runs/plots/ of the checkout; runs.* there or runs-2.*, never over
+    a file"""
     window: int = 100
     """games in each run's running mean"""
     points: int = 200
@@ -65,6 +82,9 @@ class RunData:
     score: float | None  # mean_return_last100
     # (env steps, hours since the first event, true game score) per finished game
     episodes: list[tuple[int, float, float]] = field(default_factory=list)
+    # (env steps, hours since the first event, mean score of the evaluation's games)
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    last_step: int | None = None  # the run's last logged step, finished game or not
 
     @property
     def hns(self) -> float | None:
@@ -94,7 +114,7 @@ def load_run(run_dir: Path) -> RunData:
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     run_args = summary.get("args") or (json.loads(args_path.read_text())
                                        if args_path.is_file() else {})
-    events, starts = [], []
+    events, evals, starts, steps = [], [], [], []
     for f in sorted(run_dir.glob("events.out.tfevents.*")):
         acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
         acc.Reload()
@@ -102,8 +122,13 @@ def load_run(run_dir: Path) -> RunData:
             starts.append(acc.FirstEventTimestamp())
         except ValueError:  # an empty file
             continue
-        if "charts/episodic_return" in acc.Tags()["scalars"]:
+        tags = acc.Tags()["scalars"]
+        if "charts/episodic_return" in tags:
             events += acc.Scalars("charts/episodic_return")
+        if "charts/eval_return" in tags:
+            evals += acc.Scalars("charts/eval_return")
+        if "charts/SPS" in tags:  # logged at every log call, games or not
+            steps += [e.step for e in acc.Scalars("charts/SPS")]
     t0 = min(starts, default=0.0)
     # Games logged in one call share its step; give them one time too (the call's last).
     logged = {}
@@ -111,8 +136,12 @@ def load_run(run_dir: Path) -> RunData:
         logged[e.step] = max(logged.get(e.step, 0.0), e.wall_time)
     events.sort(key=lambda e: (e.step, e.wall_time))  # the order the games were logged in
     episodes = [(e.step, (logged[e.step] - t0) / 3600, e.value) for e in events]
+    evals = sorted((e.step, (e.wall_time - t0) / 3600, e.value) for e in evals)
+    last = max([summary.get("global_step") or 0, *steps, *(e[0] for e in episodes),
+                *(e[0] for e in evals)]) if (summary or steps or episodes or evals) else None
     return RunData(run_dir, run_args.get("env_id", "?"), config_label(run_dir),
-                   int(run_args.get("seed", 0)), summary.get("mean_return_last100"), episodes)
+                   int(run_args.get("seed", 0)), summary.get("mean_return_last100"), episodes,
+                   evals, last)
 
 
 def running_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -211,6 +240,134 @@ def score_tables(runs: list[RunData]) -> tuple[str, dict[str, float | None]]:
     return "\n".join(lines) + "\n", medians
 
 
+def is_run(path: Path) -> bool:
+    return path.is_dir() and ((path / "summary.json").is_file()
+                              or any(path.glob("events.out.tfevents.*")))
+
+
+def run_labels(runs: list[RunData]) -> list[str]:
+    """Each run's folder name, or its path below the runs' common folder where names repeat
+    (experiments.py's seed1, seed2... under several configurations)."""
+    names = [r.path.name for r in runs]
+    if len(set(names)) == len(names):
+        return names
+    common = Path(os.path.commonpath([str(r.path.resolve()) for r in runs]))
+    return [str(r.path.resolve().relative_to(common)) or r.path.name for r in runs]
+
+
+def free_stem(folder: Path, stem: str, suffixes: tuple[str, ...]) -> Path:
+    """folder/stem, or folder/stem-2, stem-3, ...: the first for which no stem + suffix exists."""
+    k, name = 1, stem
+    while any((folder / f"{name}{s}").exists() for s in suffixes):
+        k += 1
+        name = f"{stem}-{k}"
+    return folder / name
+
+
+def train_curve(run: RunData, window: int) -> list[tuple[int, float, float]]:
+    """(env steps, hours, running mean over `window` games) at each step that logged games: the
+    games of one log call share its step and time, and the point is the mean after all of them."""
+    means = running_mean(np.array([e[2] for e in run.episodes], float), window)
+    last = {}
+    for (step, hours, _), mean in zip(run.episodes, means):  # sorted by step: the last one wins
+        last[step] = (step, hours, float(mean))
+    return list(last.values())
+
+
+def run_points(runs: list[RunData], labels: list[str], window: int) -> list[dict]:
+    """Every point of the ordinary-runs figure: training (running mean) and evaluation scores."""
+    rows = []
+    for r, label in zip(runs, labels):
+        for curve, points in (("train", train_curve(r, window)), ("eval", r.evals)):
+            for step, hours, score in points:
+                rows.append({"run": label, "game": r.game, "curve": curve, "env_steps": step,
+                             "hours": round(hours, 6), "score": round(score, 4)})
+    return rows
+
+
+def plot_runs(runs: list[RunData], labels: list[str], path: Path, window: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = any(r.evals for r in runs)
+    fig, axes = plt.subplots(2 if evaluated else 1, 2, figsize=(10, 7.5 if evaluated else 4),
+                             squeeze=False)
+    for i, (r, label) in enumerate(zip(runs, labels)):
+        color = f"C{i % 10}"  # one colour per run in every panel
+        train = train_curve(r, window)
+        for col in (0, 1):
+            if train:
+                axes[0, col].plot([p[col] for p in train], [p[2] for p in train],
+                                  "o-" if len(train) == 1 else "-", color=color, label=label)
+            if r.evals:
+                axes[1, col].plot([e[col] for e in r.evals], [e[2] for e in r.evals], "o-",
+                                  color=color, markersize=3, label=label)
+    titles = [f"training: game score, mean of last {window} games"]
+    if evaluated:
+        titles.append("evaluation: mean game score (charts/eval_return)")
+    for row, title in enumerate(titles):
+        for col, xlabel in enumerate(("environment steps", "wall-clock hours")):
+            ax = axes[row, col]
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("game score")
+            ax.grid(alpha=0.3)
+        if axes[row, 0].lines:
+            axes[row, 0].legend(fontsize=7)
+    games = sorted({r.game for r in runs})
+    fig.suptitle(", ".join(games), fontsize=10)
+    silent = [label for r, label in zip(runs, labels) if not r.episodes]
+    bottom = 0.0
+    if silent:  # a run without a curve is still part of the figure
+        fig.text(0.01, 0.01, "no finished game yet (no training curve): " + ", ".join(silent),
+                 fontsize=8, color="tab:red")
+        bottom = 0.04
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def run_table(runs: list[RunData], labels: list[str], window: int) -> str:
+    """Markdown, one row per run; a run with no finished game says so."""
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"| run | game | steps | games | score (last {window} games) | human-normalised | "
+             "last evaluation (step) | its human-normalised |", "|---|---|---|---|---|---|---|---|"]
+    for r, label in zip(runs, labels):
+        # the curve's last point; summary.json's last-100 mean if the events have no games
+        score = statistics.fmean(e[2] for e in r.episodes[-window:]) if r.episodes else r.score
+        ev = r.evals[-1] if r.evals else None
+        lines.append(
+            f"| {label} | {r.game} | {fmt(r.last_step, ',')} | {len(r.episodes)} | "
+            + ("no finished game" if score is None else f"{score:.2f}") + " | "
+            + fmt(atari_scores.human_normalised(r.game, score), ".3f") + " | "
+            + ("none" if ev is None else f"{ev[2]:.2f} ({ev[0]:,})") + " | "
+            + fmt(atari_scores.human_normalised(r.game, ev[2]) if ev else None, ".3f") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_run_dirs(args: Args, paths: list[Path]) -> None:
+    """Ordinary runs: one curve per run (module docstring)."""
+    folder = Path(args.out) if args.out else ROOT / "runs" / "plots"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(folder, "runs", (".png", ".csv", ".md"))
+    runs = [load_run(p) for p in paths]
+    labels = run_labels(runs)
+    with open(f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["run", "game", "curve", "env_steps", "hours", "score"])
+        w.writeheader()
+        w.writerows(run_points(runs, labels, args.window))
+    plot_runs(runs, labels, Path(f"{stem}.png"), args.window)
+    table = run_table(runs, labels, args.window)
+    Path(f"{stem}.md").write_text(table)
+    print(table)
+    silent = [label for r, label in zip(runs, labels) if not r.episodes]
+    if silent:
+        print(f"no finished game yet, so no training curve: {', '.join(silent)}")
+    print(f"{len(runs)} runs; wrote {stem}.png, {stem}.csv, {stem}.md")
+
+
 def output_dir(args: Args) -> Path:
     return Path(args.out) if args.out else outputs.unused(Path(args.paths[0]) / "plots")
 
@@ -221,6 +378,8 @@ def main() -> None:
     if missing := [str(p) for p in paths if not p.exists()]:
         print(f"error: no such path: {', '.join(missing)}", file=sys.stderr)
         sys.exit(2)
+    if all(is_run(p) for p in paths):
+        return plot_run_dirs(args, paths)
     run_dirs = find_runs(paths)
     if not run_dirs:
         print(f"error: no runs (summary.json or TensorBoard events) under "
