@@ -128,7 +128,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run_script("a2c_multigpu", *common, "--total-timesteps", "400", nproc=2)
     s = read_summary(run)  # 2 ranks x 4 envs x 5 steps = 40 steps per iteration
     assert s["global_step"] == 400 and s["world_size"] == 2 and s["device"] == "cpu"
-    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm"}
+    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "eval"}
     assert s["phase_seconds"]["comm"] > 0 and s["phase_seconds"]["learn"] > 0
     assert list(run.glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (run / "checkpoints").glob("*.pt")) == ["step_200.pt",

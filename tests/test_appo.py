@@ -231,7 +231,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     s = read_summary(run)
     assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
     assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "sampler_wait",
-                                       "learner_wait"}
+                                       "learner_wait", "eval"}
     assert s["phase_seconds"]["env"] > 0 and s["phase_seconds"]["learner_wait"] > 0
     ckpt = torch.load(run / "checkpoints" / "step_256.pt", weights_only=True)
     # 2 iterations x 2 ranks x 1 epoch x 2 minibatches: every chunk took every central step

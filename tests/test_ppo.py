@@ -60,7 +60,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run_script("ppo_multigpu", *common, "--total-timesteps", "256", nproc=2)
     s = read_summary(run)
     assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
-    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm"}
+    assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "eval"}
     assert s["phase_seconds"]["comm"] > 0
     assert list(run.glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "step_256.pt").is_file()
