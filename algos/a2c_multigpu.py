@@ -301,6 +301,8 @@ def main() -> None:
         return evaluation.evaluate(lambda obs: policy(obs)[0], eval_env, args, world, global_step)
 
     saved_at, logged_at, last_eval = global_step, global_step, None
+
+    stopped = False  # by a signal: no final evaluation, the job must end quickly
     stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     iteration = 0
@@ -350,13 +352,15 @@ def main() -> None:
             if world.is_main:
                 print(f"\nstopped by signal at step {global_step:,}; continue with "
                       f"--resume {run_dir}", flush=True)
+            stopped = True
             break
 
     if saved_at != global_step:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+    if eval_env and not stopped and (last_eval is None
+                                     or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
     logger.summary(global_step, last_eval)
     logger.close()

@@ -349,6 +349,8 @@ def main() -> None:
                                    global_step)
 
     saved_at, last_eval = global_step, None
+
+    stopped = False  # by a signal: no final evaluation, the job must end quickly
     try:
         while global_step < args.total_timesteps:
             # The schedule follows the global step, so a resume with other ranks or batches goes
@@ -419,6 +421,7 @@ def main() -> None:
                 if world.is_main:
                     print(f"\nstopped by signal at step {global_step:,}; continue with "
                           f"--resume {run_dir}", flush=True)
+                stopped = True
                 break
     except SamplerDied as e:
         print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
@@ -430,7 +433,8 @@ def main() -> None:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+    if eval_env and not stopped and (last_eval is None
+                                     or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
     if eval_env:
         eval_env.close()

@@ -310,6 +310,8 @@ def main() -> None:
         return torch.zeros(len(obs), device=obs.device)
 
     saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
+
+    stopped = False  # by a signal: no final evaluation, the job must end quickly
     stat_sums, stat_count = {}, 0
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     while global_step < args.total_timesteps:
@@ -368,13 +370,15 @@ def main() -> None:
             if world.is_main:
                 print(f"\nstopped by signal at step {global_step:,}; continue with "
                       f"--resume {run_dir}", flush=True)
+            stopped = True
             break
 
     if saved_at != global_step:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+    if eval_env and not stopped and (last_eval is None
+                                     or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
     logger.summary(global_step, last_eval, updates=counters["updates"],
                    replay_bytes_per_transition=replay.bytes_per_transition())

@@ -275,6 +275,8 @@ def main() -> None:
                                    eval_env, args, world, global_step)
 
     saved_at, last_eval = global_step, None
+
+    stopped = False  # by a signal: no final evaluation, the job must end quickly
     while global_step < args.total_timesteps:
         # The schedule follows the global step, so a resume with other ranks or batches goes on
         # where it stopped.
@@ -322,13 +324,15 @@ def main() -> None:
             if world.is_main:
                 print(f"\nstopped by signal at step {global_step:,}; continue with "
                       f"--resume {run_dir}", flush=True)
+            stopped = True
             break
 
     if saved_at != global_step:
         path = save()
         if world.is_main:
             print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and (last_eval is None or last_eval["global_step"] != global_step):
+    if eval_env and not stopped and (last_eval is None
+                                     or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
     logger.summary(global_step, last_eval)
     logger.close()

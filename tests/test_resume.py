@@ -128,7 +128,9 @@ def _parse_in_other_cwd(rank, run_rel, cwd0, out):
     os.chdir(cwd0 if rank == 0 else Path(out).parent / "elsewhere")
     from common import cli, dist
     ppo = load_algo("ppo_multigpu")
-    args, world = cli.parse_args(ppo.Args, ["--resume", run_rel, "--no-cuda"])
+    # a larger budget: resuming the finished run as it is would leave it alone and exit
+    args, world = cli.parse_args(ppo.Args, ["--resume", run_rel, "--no-cuda",
+                                            "--total-timesteps", "128"])
     Path(f"{out}.{rank}").write_text(json.dumps(vars(args)))
     dist.cleanup()
 
