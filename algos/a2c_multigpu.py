@@ -70,6 +70,10 @@ class Args:
     """environments per rank (paper: 16 per GPU for A2C)"""
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
+    compile: bool = False
+    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -288,8 +292,10 @@ def main() -> None:
     logger = Logger(run_dir, world, args, state, global_batch)
     stop = checkpoint.StopRequest()
 
+    step = dist.compiled(agent, args.compile)
+
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
-        return Categorical(logits=agent(obs)[0]).sample(), {}
+        return Categorical(logits=step(obs)[0]).sample(), {}
 
     def save():
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
@@ -319,11 +325,9 @@ def main() -> None:
         global_step += global_batch
 
         # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
-        learn_t0 = time.perf_counter()
+        learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
         stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args)
-        # On one GPU this times the kernel launches; the rest shows up as inference, whose
-        # actions.cpu() is the first wait. With ranks, all_reduce_grads waits for the backward.
-        learn += time.perf_counter() - learn_t0 - seconds
+        learn += dist.clock(device) - learn_t0 - seconds
         comm += seconds
         for k, v in stats.items():
             stat_sums[k] = stat_sums.get(k, 0.0) + v

@@ -19,8 +19,7 @@ never inside an update. One machine only: for several, use ppo_multigpu.py.
 Launch:
     python algos/appo_async.py --env-id Pong-v5                           # one GPU (or the CPU)
     torchrun --standalone --nproc_per_node 8 algos/appo_async.py          # 8 GPUs, one machine
-    python algos/appo_async.py --no-cuda --sampler-cores 0                # CPU: sampler on core 0,
-                                                                          # learner on the rest
+    python algos/appo_async.py --no-cuda --sampler-cores 0  # sampler on core 0, learner on the rest
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
-# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need (README).
+# torch's OpenMP threads spin after each parallel op by default, taking the emulators' cores
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -46,6 +45,7 @@ from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_adam import CentralAdam  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
+from common.sampler import Upload  # noqa: E402
 
 
 @dataclass
@@ -62,6 +62,10 @@ class Args:
     """environments per rank (paper: 8 per GPU for PPO and APPO)"""
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
+    compile: bool = False
+    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -169,8 +173,8 @@ class Agent(nn.Module):
 
 
 def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sampler's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob [n], value [n]}.
-    Module-level, so the sampler process can unpickle it."""
+    """The sampler's policy (module-level: the sampler process unpickles it): obs uint8
+    [n, 4, 84, 84] -> actions [n], {logprob [n], value [n]}."""
     logits, value = agent(obs)
     pi = Categorical(logits=logits)
     action = pi.sample()
@@ -183,12 +187,9 @@ def value(agent: Agent, obs: torch.Tensor) -> torch.Tensor:
 
 
 def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout,
-    exactly as ppo_multigpu.py computes it (tests/test_appo.py checks they agree).
-
-    At a termination the next state's value is 0; at a truncation it is the value of the true
-    last observation (final_values). next_value [B] bootstraps the last step.
-    """
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout, as
+    ppo_multigpu.py computes it (tests/test_appo.py checks they agree): at a termination the next
+    value is 0, at a truncation the true last observation's (final_values)."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(next_value)
@@ -329,12 +330,12 @@ def main() -> None:
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
-                           seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)))
+                           seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)),
+                           compile=args.compile)
     logger = Logger(run_dir, world, args, state, global_batch)
+    upload = Upload(device)
     version = 0  # updates this rank's learner has published to its sampler
-    lag_sum, lag_max, trained, dropped = 0, 0, 0, 0  # over the whole run, all ranks
-    if state:
-        lag_sum, lag_max, trained, dropped = state["lag"]
+    lag_sum, lag_max, trained, dropped = state["lag"] if state else (0, 0, 0, 0)  # all ranks
 
     def save():
         central.pull()  # all ranks are between updates here: the central copy is complete
@@ -349,7 +350,6 @@ def main() -> None:
                                    global_step)
 
     saved_at, last_eval = global_step, None
-
     stopped = False  # by a signal: no final evaluation, the job must end quickly
     try:
         while global_step < args.total_timesteps:
@@ -372,19 +372,18 @@ def main() -> None:
                     break
                 my_dropped += 1  # too stale: the clipped ratio would mostly ignore it anyway
                 sampler.release(i)
-            rollout = {k: v.to(device) for k, v in sampler.rollout(i).items()}  # CPU: no copy
+            rollout = upload(sampler.rollout(i))  # one pinned copy to a GPU; CPU: no copy
             global_step += global_batch
 
             # ---- learning: GAE on the behaviour values, then PPO epochs on central Adam ----
-            learn_t0 = time.perf_counter()
+            learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
             with torch.no_grad():
                 advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
                                  rollout["truncated"], rollout["final_values"],
                                  rollout["next_value"], args.gamma, args.gae_lambda)
             batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
-                     "actions": rollout["actions"].flatten(),
-                     "logprob": rollout["logprob"].flatten(), "value": rollout["value"].flatten(),
-                     "advantages": advantages.flatten(),
+                     "actions": rollout["actions"].flatten(), "logprob": rollout["logprob"].flatten(),
+                     "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
                      "returns": (advantages + rollout["value"]).flatten()}
             stats, comm = appo_update(agent, central, batch, args, lr)
             y, y_pred = batch["returns"], batch["value"]
@@ -392,7 +391,7 @@ def main() -> None:
             version += 1
             sampler.publish(agent, version)
             sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
-            learn = time.perf_counter() - learn_t0 - comm
+            learn = dist.clock(device) - learn_t0 - comm
 
             # ---- evaluation, logging and checkpoints: the once-per-rollout meeting of ranks ----
             eval_s = time.perf_counter()
@@ -425,7 +424,8 @@ def main() -> None:
                 break
     except SamplerDied as e:
         print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
-        sys.exit(1)  # the other ranks' next collective fails, and torchrun stops them all
+        central.close()
+        dist.finish(1)  # leaves the group (NCCL peers fail at once) and kills the sampler
     finally:
         sampler.close()
 

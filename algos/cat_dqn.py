@@ -81,6 +81,10 @@ class Args:
     """environments per rank; 16 x --num-steps 16 = 256 steps per iteration, one update at 2048"""
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
+    compile: bool = False
+    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -334,7 +338,7 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(model.q_values)  # epsilon-greedy on E[Z], one epsilon per column
+    policy = GroupPolicy(dist.compiled(model.q_values, args.compile))  # eps-greedy on E[Z]
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
     stop = checkpoint.StopRequest()
@@ -376,13 +380,12 @@ def main() -> None:
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        learn_t0, seconds = time.perf_counter(), 0.0
+        learn_t0, seconds = dist.clock(device), 0.0
         if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
             beta = args.priority_beta + (1 - args.priority_beta) * min(
                 1.0, global_step / args.total_timesteps)
             for _ in range(replay_lib.updates_due(counters, args, global_batch, world.world_size)):
-                batch = {k: v.to(device, non_blocking=True)
-                         for k, v in replay.sample(args.batch_size, beta).items()}
+                batch = replay.sample(args.batch_size, beta, device)
                 stats, ce, c = c51_update(model, target, optimizer, batch, args)
                 replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
                 seconds += c
@@ -392,7 +395,7 @@ def main() -> None:
         interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
         if global_step // interval > (global_step - global_batch) // interval:
             target.load_state_dict(model.state_dict())
-        learn += time.perf_counter() - learn_t0 - seconds
+        learn += dist.clock(device) - learn_t0 - seconds
         comm += seconds
 
         # ---- logging, evaluation and checkpoints ----

@@ -158,12 +158,28 @@ def game_id(name: str) -> str:
     return name if (":" in name or "-v" in name) else f"{name}-v5"
 
 
-def gpu_count() -> int:
+def visible_gpus() -> list[str]:
+    """The GPUs runs may use: those of an inherited CUDA_VISIBLE_DEVICES (a scheduler's or the
+    user's choice, kept), else every GPU nvidia-smi lists."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+        return []
+    return [str(i) for i, line in enumerate(ln for ln in out.stdout.splitlines()
+                                            if ln.startswith("GPU "))]
+
+
+def gpu_slots(gpus: list[str], parallel: int, ranks: int) -> list[list[str]]:
+    """One set of --ranks GPUs per parallel run, none shared (NCCL refuses two ranks on one
+    GPU); on a CPU machine empty sets. Exits with one line when the GPUs do not suffice."""
+    if not gpus:
+        return [[] for _ in range(parallel)]
+    if parallel * ranks > len(gpus):
+        fail(f"--parallel {parallel} x --ranks {ranks} needs {parallel * ranks} GPUs, "
+             f"{len(gpus)} visible ({','.join(gpus)}): lower --parallel or --ranks")
+    return [gpus[i * ranks:(i + 1) * ranks] for i in range(parallel)]
 
 
 def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
@@ -227,11 +243,9 @@ def main() -> None:
     if not todo:
         print("nothing to run")
         return
-    gpus = gpu_count()
     slots: Queue = Queue()  # a slot is a set of GPUs (or nothing on a CPU machine)
-    for i in range(args.parallel):
-        slots.put([str(g % gpus) for g in range(i * args.ranks, (i + 1) * args.ranks)]
-                  if gpus else [])
+    for slot in gpu_slots(visible_gpus(), args.parallel, args.ranks):
+        slots.put(slot)
     logs = Path(args.runs).resolve() / args.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

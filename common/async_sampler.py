@@ -33,7 +33,7 @@ from functools import partial
 import torch
 import torch.multiprocessing as mp
 
-from common import envs
+from common import dist, envs
 from common.sampler import Sampler
 
 
@@ -51,7 +51,7 @@ class AsyncSampler:
     def __init__(self, make_model, policy, value_fn, env_kwargs: dict, num_steps: int,
                  seeds, model: torch.nn.Module, device: torch.device, extras=(),
                  clip_rewards: bool = True, num_buffers: int = 2, seed: int = 0,
-                 cores: list[int] | None = None, threads: int = 1):
+                 cores: list[int] | None = None, threads: int = 1, compile: bool = False):
         T, B = num_steps, env_kwargs["num_envs"]
         shapes = {"obs": ((T, B, 4, 84, 84), torch.uint8), "actions": ((T, B), torch.long),
                   "rewards": ((T, B), torch.float32), "terminated": ((T, B), torch.bool),
@@ -70,8 +70,8 @@ class AsyncSampler:
         self.proc = ctx.Process(
             target=_sampler_main, daemon=True, name="accelrl-sampler",
             args=(os.getpid(), make_model, policy, value_fn, env_kwargs, T, seeds, device,
-                  tuple(extras), clip_rewards, seed, cores, threads, self.buffers, self.params,
-                  self.version, self.lock, self.free, self.full))
+                  tuple(extras), clip_rewards, seed, cores, threads, compile, self.buffers,
+                  self.params, self.version, self.lock, self.free, self.full))
         # The child starts deaf to Ctrl-C / SIGTERM (the mask survives exec) until it ignores
         # them itself: a signal during its start-up must not look like a crash.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -151,7 +151,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, device, extras,
-                  clip_rewards, seed, cores, threads, buffers, params, version, lock, free, full):
+                  clip_rewards, seed, cores, threads, compile, buffers, params, version, lock, free,
+                  full):
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the learner stops us when it has saved
@@ -162,8 +163,13 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
             os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
+        if device.type == "cuda":  # else the context opens on GPU 0, whatever the rank's GPU
+            torch.cuda.set_device(device)
+            dist.set_gpu_habits()
+        torch.distributions.Distribution.set_default_validate_args(False)
         env_groups = envs.make_envs(**env_kwargs)
         model = make_model().to(device)
+        net = dist.compiled(model, compile)  # shares model's parameters, which _unflat updates
         sampler = Sampler(env_groups, T, device, extras=extras, clip_rewards=clip_rewards)
         sampler.reset(seeds)
         have = -1
@@ -187,7 +193,7 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
             buf = {k: v[i] for k, v in buffers.items()}
             if device.type == "cpu":  # write straight into shared memory
                 sampler.buf = {k: buf[k] for k in sampler.buf}
-            out = {**sampler.collect(partial(policy, model), value_fn and partial(value_fn, model)),
+            out = {**sampler.collect(partial(policy, net), value_fn and partial(value_fn, model)),
                    "next_obs": sampler.next_obs}
             if value_fn is not None:
                 with torch.no_grad():

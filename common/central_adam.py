@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from common.sampler import Upload
+
 FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
@@ -58,6 +60,7 @@ class CentralAdam:
                                      dtype=torch.int64)
         self.fds = [os.open(p, os.O_RDWR) for p in self.paths]
         self.last_order: list[tuple[int, int]] = []  # (chunk, its step count) of the last step
+        self._upload = Upload(self.params[0].device)
 
     def _create(self, state: dict | None) -> None:
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
@@ -128,6 +131,7 @@ class CentralAdam:
         read half old, half new, which asynchronous SGD tolerates (Hogwild), and readers never
         delay writers."""
         flat = torch.cat([ch[0] for ch in self.chunks])
+        flat = self._upload({"flat": flat})["flat"]  # to a GPU: one pinned copy, not one per tensor
         for p, src in zip(self.params, flat.split([p.numel() for p in self.params])):
             p.copy_(src.view_as(p))
 

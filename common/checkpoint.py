@@ -1,24 +1,20 @@
 """Run directories, verified atomic checkpoints, exact resume, and clean stops on SIGTERM / SIGINT.
 
-A checkpoint holds whatever the script puts in its state dict (model, optimizer, counters, episode
-statistics) plus every rank's RNG states, in `checkpoints/step_<N>.pt`. Per-rank data (a replay
-shard) goes in `step_<N>.rank<R>.pt`, written by each rank to its own disk. Every file is written
-to a temporary name, fsynced, given a `.sha256` beside it and renamed, so a crash mid-write never
-leaves a half file under a checkpoint's name, and a file damaged later (truncated, bit-flipped,
-emptied) fails its checksum and is skipped in favour of the previous one. Only the newest
-`--keep-checkpoints` are kept, and older ones are deleted only after the new one is in place.
+A checkpoint holds the script's state dict (model, optimizer, counters, episode statistics) and
+every rank's RNG states in `checkpoints/step_<N>.pt`; per-rank data (a replay shard) goes in
+`step_<N>.rank<R>.pt`, written by each rank to its own disk. Every file is written to a temporary
+name, fsynced, given a `.sha256` and renamed, so a crash never leaves half a file under a
+checkpoint's name, and a file damaged later fails its checksum and is skipped for the previous
+one. The newest `--keep-checkpoints` are kept; older ones go only once the new one is in place.
 
-Where the run goes (`locate`, on rank 0):
-- no `--resume`: a new run directory; an existing one is never overwritten.
-- `--resume FILE|DIR`: that checkpoint (or the run's newest good one); the run writes into the
-  directory it resumes unless `--run-dir` names a new one.
-- `--resume auto`: `--run-dir`'s newest good checkpoint if it has one, else a fresh start there.
-  A worker group that torchrun restarts (`--max-restarts`) behaves as `auto`, and finds the run
-  directory of its first attempt by torchrun's run id even when its name was the default.
+Where the run goes (`locate`, rank 0): without `--resume` a new run directory (an existing one is
+never overwritten); `--resume FILE|DIR` that checkpoint or the run's newest good one, written into
+its own run unless `--run-dir` names a new one; `--resume auto` `--run-dir`'s newest good
+checkpoint, else a fresh start there. A group torchrun restarts (`--max-restarts`) behaves as
+`auto` and finds its first attempt's directory by torchrun's run id.
 
-What a resume does not restore: the emulators' internal states (ale-py cannot save a vector env).
-Environments restart with fresh seeds derived from `--seed` and the global step, so a resumed run
-is repeatable, but games in progress at the checkpoint are not finished.
+Not restored: the emulators' states (ale-py cannot save a vector env). Environments restart with
+seeds from `--seed` and the global step, so a resume is repeatable, but open games are lost.
 """
 
 from __future__ import annotations
@@ -197,23 +193,24 @@ def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None
     return run_dir, dist.broadcast_object(state, world)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """This rank's RNG states; the GPU's only for a run on one (asking would open a context)."""
     _, key, pos, _, _ = np.random.get_state()
     state = {"torch": torch.get_rng_state(),  # tensors only, so weights_only=True can load them
              "numpy": torch.from_numpy(np.append(key, pos).astype(np.int64)),
              "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     key = state["numpy"].numpy()
     np.random.set_state(("MT19937", key[:-1].astype(np.uint32), int(key[-1]), 0, 0.0))
     random.setstate((3, tuple(int(x) for x in state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and device.type == "cuda":  # a GPU run resumed on the CPU skips it
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _write(obj, path: Path) -> None:
@@ -260,14 +257,14 @@ def save(run_dir: Path, world: dist.World, global_step: int, keep: int, state: d
             _write(rank_state, folder / f"step_{global_step}.rank{world.rank}.pt")
         except OSError as e:
             error = f"rank {world.rank}: {e}"
-    gathered = dist.all_gather((rng_state(), error))  # also: every rank file is written here
+    gathered = dist.all_gather((rng_state(world.device), error), io=True)  # all shards written
     errors = [e for _, e in gathered if e]
     if world.is_main and not errors:
         try:
             _write({**state, "global_step": global_step, "rng": [r for r, _ in gathered]}, path)
         except OSError as e:
             errors.append(str(e))
-    message = dist.agree("; ".join(errors) or None)
+    message = dist.agree("; ".join(errors) or None, io=True)  # rank 0 wrote the state
     if message:
         previous = [p.name for p in checkpoints(folder) if p != path]
         dist.fail(f"cannot write checkpoint {path}: {message}; "
@@ -296,9 +293,7 @@ def load_rank_state(run_dir: Path, global_step: int, world: dist.World) -> dict 
 def restore(state: dict | None, world: dist.World, **objects) -> int:
     """`load_state_dict` for each keyword object (model=, optimizer=, target=...) from the entry
     of the same name, and this rank's RNG states; returns the global step (0 with no checkpoint).
-
-    Optimizer hyperparameters (lr, eps, betas, alpha...) come from this launch's flags, not the
-    checkpoint's: only the optimizer's accumulated statistics are restored."""
+    Optimizers keep this launch's hyperparameters (lr, eps...): only their statistics return."""
     if state is None:
         return 0
     try:
@@ -330,15 +325,15 @@ def restore_rng(state: dict, world: dist.World) -> None:
     """Each rank takes back its own RNG states (only when the world size is unchanged)."""
     rngs = state.get("rng", [])
     if len(rngs) == world.world_size:
-        set_rng_state(rngs[world.rank])
+        set_rng_state(rngs[world.rank], world.device)
     elif world.is_main:
         print(f"warning: checkpoint has RNG states for {len(rngs)} ranks, this run has "
               f"{world.world_size}; random streams restart", file=sys.stderr)
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag; the training loop checks it between iterations, all ranks
-    agree (so a signal to one rank stops all), and the script checkpoints and exits cleanly."""
+    """SIGTERM / SIGINT set a flag, checked between iterations; all ranks agree (a signal to one
+    stops all), and the script checkpoints and exits cleanly."""
 
     def __init__(self):
         self.signal: int | None = None

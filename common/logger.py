@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from common import dist
 
 PHASES = ("env", "inference", "learn", "comm")
@@ -134,6 +136,9 @@ class Logger:
             "device": str(self.world.device),
             "gpu": self.world.device.type == "cuda",
             "phase_seconds": self.phase_total,
+            "switches": dist.switches(),  # the GPU habits and --compile in force
+            "gpu_memory_bytes": torch.cuda.max_memory_allocated(self.world.device)
+            if self.world.device.type == "cuda" else None,
             "eval_return": ev.get("mean_return"),
             "eval_episodes": ev.get("episodes", 0),
             "eval_step": ev.get("global_step"),

@@ -1,28 +1,25 @@
 """Replay memory for the DQN family: each 84x84 frame stored once, on the rank's device.
 
-Layout. Each environment column b of a rank has a circular buffer of single frames
-`frames[T, B, 84, 84]` plus small per-step fields (action, reward, a flags byte, the index of a
-truncated episode's final frame): 7,067 bytes per transition (+16 for the sum tree), where full
-4-frame stacks would take 28,224 (the paper's replay stores frames once for this). Stacks
-are rebuilt at sample time from the frames of rows t-3..t. The row after the newest complete one
-already holds the next observation's frame (`add` takes the sampler's next_obs), so the newest
-transitions can bootstrap from it and a saved buffer can close its cut-off episodes on resume.
+Layout: each environment column b of a rank has a circular buffer of single frames
+`frames[T, B, 84, 84]` and small per-step fields (action, reward, a flags byte, the index of a
+truncated episode's final frame): 7,067 bytes per transition (+16 for the sum tree) against 28,224
+for full 4-frame stacks. Stacks are rebuilt at sample time from rows t-3..t. The row after the
+newest complete one holds the next observation's frame (`add` takes the sampler's next_obs), so
+the newest transitions can bootstrap, and a saved buffer can close its open episodes on resume.
 
-Episode starts. At each row we record what the environment put into the 3 older frames of its
-stack: real history (the previous rows: also after a life loss, where ALE's stack runs on), zeros
-(ALE after a reset) or copies of the newest frame (gymnasium's frame stacking, tests' Catch).
-Rebuilt stacks therefore equal the observations the agent acted on, bit for bit, and never show
-frames from before an episode start.
+Episode starts: each row records what the environment put in the 3 older frames of its stack:
+real history (also after a life loss, where ALE's stack runs on), zeros (ALE after a reset) or
+copies of the newest frame (gymnasium's frame stacking, tests' Catch). Rebuilt stacks therefore
+equal the observations the agent acted on, bit for bit.
 
-n-step returns (`n_step`) are computed at sample time: R = sum_{k<m} gamma^k r(t+k), where m <= n
-stops at the first step that ends the episode; the discount on the bootstrap value is 0 after a
-termination, gamma^m otherwise. After a truncation (time limit) the bootstrap observation is the
-true last observation of the episode, whose newest frame is kept in a small side store.
+n-step returns are computed at sample time: R = sum_{k<m} gamma^k r(t+k), m <= n stopping at the
+first step that ends the episode; the bootstrap's discount is 0 after a termination, gamma^m
+otherwise. After a truncation (time limit) the bootstrap observation is the episode's true last
+one, whose newest frame is kept in a small side store.
 
-Sampling is uniform, or prioritized (Schaul et al. 2016, Sec. 3.3, proportional variant) from a
-sum tree whose updates and stratified descents are tensor operations over the whole batch.
-A transition t is sampleable once rows t..t+n are written, and until its 3 history rows are
-overwritten. The API is algorithm-agnostic: cat_dqn.py uses the same `sample` dictionary.
+Sampling is uniform, or prioritized (Schaul et al. 2016, Sec. 3.3, proportional) from a sum tree
+whose updates and stratified descents are tensor operations over the whole batch. Transition t is
+sampleable once rows t..t+n are written, and until its 3 history rows are overwritten.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from typing import Callable
 import torch
 
 from common import checkpoint, dist
+from common.sampler import Upload
 
 TERM, TRUNC = 1, 2  # flags bits 0 and 1; bits 2-3: what the stack held before the newest frame
 HISTORY, ZEROS, REPEAT = 0, 1, 2
@@ -92,6 +90,9 @@ class Replay:
         self.alpha, self.priority_eps = alpha, priority_eps
         self.tree = SumTree(T * B, device) if prioritized else None
         self.max_priority = torch.ones((), dtype=torch.float64, device=device)
+        self._pending: list = []  # priorities on their way from a GPU (update_priorities)
+        self._upload = None
+        self.mask_all = device.type == "cuda"  # sample(): patch truncations without a host sync
 
     # ---- bookkeeping ----
     def _valid(self) -> tuple[int, int]:
@@ -183,12 +184,14 @@ class Replay:
         return x.mul_((~zero)[:, :, None, None].to(torch.uint8))
 
     @torch.no_grad()
-    def sample(self, batch_size: int, beta: float = 0.4) -> dict[str, torch.Tensor]:
-        """A batch of n-step transitions, all tensors on the replay's device:
+    def sample(self, batch_size: int, beta: float = 0.4,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """A batch of n-step transitions, on `device` (default: the replay's; indices stay there):
         obs, next_obs uint8 [N, 4, 84, 84]; actions long [N]; returns, discounts, weights float
         [N]; indices long [N] (for update_priorities). weights are importance-sampling weights
         (N_valid * P(i))^-beta / max over the batch (Schaul et al. 2016, Sec. 3.4), 1 if uniform.
         """
+        self._flush()
         lo, hi = self._valid()
         if hi < lo:
             raise RuntimeError("replay has no sampleable transition yet")
@@ -220,26 +223,51 @@ class Replay:
         discounts = torch.where(terminal, 0.0, self.gamma ** (m + ended.long()).double()).float()
         boot = (t + m) % self.T  # row t+n, or the row where the episode ended
         next_obs = self._stack(boot, b)
-        if truncated.any():  # rare: the true last observation is [rows u-2..u, final frame]
-            fi = self.final_idx[boot[truncated], b[truncated]].long()
-            next_obs[truncated] = torch.cat([next_obs[truncated, 1:],
-                                             self.final_frames[fi][:, None]], 1)
-        return {"obs": self._stack(t, b), "actions": self.actions[t, b].long(),
-                "returns": returns, "discounts": discounts, "next_obs": next_obs,
-                "indices": idx, "weights": weights}
+        # After a truncation the true last observation is [rows u-2..u, final frame]. Rare: on a
+        # CPU only those rows are patched; on a GPU all rows are masked (asking .any() would sync).
+        if len(self.final_frames) and (self.mask_all or truncated.any()):
+            rows = slice(None) if self.mask_all else truncated
+            fi = self.final_idx[boot[rows], b[rows]].long().clamp(min=0)
+            fixed = torch.cat([next_obs[rows, 1:], self.final_frames[fi][:, None]], 1)
+            next_obs[rows] = torch.where(truncated[rows, None, None, None], fixed, next_obs[rows])
+        batch = {"obs": self._stack(t, b), "actions": self.actions[t, b].long(),
+                 "returns": returns, "discounts": discounts, "next_obs": next_obs,
+                 "weights": weights}
+        if device is not None and device != self.device:
+            self._upload = self._upload or Upload(device)
+            batch = self._upload(batch)
+        return {**batch, "indices": idx}
 
     @torch.no_grad()
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
         """Set sampled transitions' priorities (e.g. |TD error|), raised by priority_eps so none
-        reaches 0, and stored to the power alpha. No-op for uniform replay."""
+        reaches 0, and stored to the power alpha. No-op for uniform replay. A GPU learner's
+        priorities for a CPU replay are copied without waiting and applied at the next sample."""
         if self.tree is None:
             return
-        p = priorities.detach().to(self.device, torch.float64).abs() + self.priority_eps
+        p = priorities.detach()
+        if p.device != self.device:
+            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+            host.copy_(p, non_blocking=True)
+            self._pending.append((indices.to(self.device), host, torch.cuda.Event()))
+            self._pending[-1][2].record()
+            return
+        self._set_priorities(indices, p)
+
+    def _set_priorities(self, indices: torch.Tensor, p: torch.Tensor) -> None:
+        p = p.to(torch.float64).abs() + self.priority_eps
         self.max_priority = torch.maximum(self.max_priority, p.max())
-        self.tree.set(indices.to(self.device), p ** self.alpha)
+        self.tree.set(indices, p ** self.alpha)
+
+    def _flush(self) -> None:
+        while self._pending:
+            indices, host, copied = self._pending.pop(0)
+            copied.synchronize()
+            self._set_priorities(indices, host)
 
     # ---- checkpoints ----
     def state_dict(self) -> dict:
+        self._flush()
         state = {"frames": self.frames, "actions": self.actions, "rewards": self.rewards,
                  "flags": self.flags, "final_idx": self.final_idx,
                  "final_frames": self.final_frames, "steps": self.steps,

@@ -1,6 +1,5 @@
 """Shared test helpers: import an algorithm script as a module, run scripts as users do."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,15 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # and a crash (SIGABRT, SIGSEGV) prints the Python stack of every thread.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 sys.path.insert(0, str(ROOT))
-
-
-def load_algo(name: str):
-    """algos/<name>.py as a module (the scripts are not a package: users launch them by path)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "algos" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.throughput_parts.measure import load_algo  # noqa: E402,F401  # one copy, cached
 
 
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300,

@@ -252,3 +252,21 @@ def test_truncated_episodes_bootstrap_from_the_final_observation_the_sampler_saw
             assert batch["discounts"][i].item() == pytest.approx(0.9)
             checked += 1
     assert checked > 50
+
+
+def test_the_sync_free_truncation_patch_of_a_gpu_replay_gives_the_same_batch():
+    """On a GPU, sample() patches truncated bootstraps by masking every row (asking which rows
+    are truncated would wait for the device); it must give exactly the CPU's batch."""
+    B, n = 4, 3
+    stream = synthetic_stream(B, 200, seed=7)
+    replay = Replay(48 * B, B, CPU, n_step=n, gamma=0.9)
+    fill(replay, stream, 5)
+    batches = []
+    for mask_all in (False, True):
+        replay.mask_all = mask_all
+        torch.manual_seed(0)
+        batches.append(replay.sample(2000))
+    truncated = batches[0]["discounts"] > 0.9 ** n + 1e-6  # cut before step n: 0.9^(m+1)
+    assert truncated.sum() > 20  # cut episodes were sampled
+    for k in batches[0]:
+        assert torch.equal(batches[0][k], batches[1][k]), k
