@@ -41,7 +41,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import central_adam, checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_adam import CentralAdam  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
@@ -312,18 +312,12 @@ def main() -> None:
         os.sched_setaffinity(0, learner_cores)
         torch.set_num_threads(max(1, len(learner_cores) // local_ranks))
 
-    # Rank 0 writes the central state from its initial or resumed parameters; the others attach
-    # to it by name once it exists, and rank 0 unlinks the names when all have attached.
-    adam = partial(CentralAdam, agent.parameters(), args.num_chunks, eps=1e-5)
-    central = adam(state=state["optimizer"] if state else None) if world.is_main else None
-    name = dist.broadcast_object(central.name if world.is_main else None, world)
-    central = central or adam(name=name)
-    dist.all_gather(None)  # every rank has mapped and opened the files
-    if world.is_main:
-        central.unlink()
+    # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
+    stop = checkpoint.StopRequest()
+    # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
+    central = central_adam.shared(partial(CentralAdam, agent.parameters(), args.num_chunks,
+                                          eps=1e-5), world, state and state["optimizer"])
     central.pull()
-
-    stop = checkpoint.StopRequest()  # before the sampler starts: from now on Ctrl-C stops cleanly
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
     sampler = AsyncSampler(partial(Agent, num_actions), act, value, env_kwargs, args.num_steps,

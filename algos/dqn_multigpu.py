@@ -62,7 +62,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
-from common import replay as replay_lib  # noqa: E402
+from common import replay_shard  # noqa: E402
 from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
@@ -262,7 +262,7 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    new_replay = replay_lib.make_shard(args, world)  # checks the size before anything is written
+    new_replay = replay_shard.make(args, world)  # checks the size before anything is written
     run_dir, state = checkpoint.prepare_run(args, "dqn_multigpu", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
@@ -281,7 +281,7 @@ def main() -> None:
         target.load_state_dict(model.state_dict())
     dist.broadcast_params(model)
     dist.broadcast_params(target)
-    replay = replay_lib.restore_or_refill(new_replay, state, run_dir, world, args, counters)
+    replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
@@ -334,7 +334,7 @@ def main() -> None:
         if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
             beta = args.priority_beta + (1 - args.priority_beta) * min(
                 1.0, global_step / args.total_timesteps)
-            for _ in range(replay_lib.updates_due(counters, args, global_batch, world.world_size)):
+            for _ in range(replay_shard.updates_due(counters, args, global_batch, world.world_size)):
                 batch = replay.sample(args.batch_size, beta, device)
                 stats, td_abs, c = dqn_update(model, target, optimizer, batch, args)
                 replay.update_priorities(batch["indices"], td_abs)

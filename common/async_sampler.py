@@ -81,11 +81,24 @@ class AsyncSampler:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """New parameters for the sampler's next rollout, tagged with `version`."""
+        """New parameters for the sampler's next rollout, tagged with `version`. The lock (the
+        sampler never copies half-written parameters) is awaited watching the sampler: one that
+        died holding it raises SamplerDied instead of blocking the learner for good."""
         flat = _flat(model)
-        with self.lock:  # the sampler never copies half-written parameters
+        while not self.lock.acquire(timeout=0.2):
+            self._check_alive()
+        try:
             self.params.copy_(flat)
             self.version[0] = version
+        finally:
+            self.lock.release()
+
+    def _check_alive(self) -> None:
+        if not self.proc.is_alive():
+            code = self.proc.exitcode
+            how = (f"was killed by {signal.Signals(-code).name}" if code and code < 0
+                   else f"exited with code {code}")
+            raise SamplerDied(f"sampler process (pid {self.proc.pid}) {how}") from None
 
     def get(self) -> tuple[int, dict]:
         """Wait for the next full buffer: (index, info). info: version, episodes, time_env,
@@ -97,11 +110,7 @@ class AsyncSampler:
                 msg = self.full.get(timeout=0.2)
                 break
             except queue.Empty:
-                if not self.proc.is_alive():
-                    code = self.proc.exitcode
-                    how = (f"was killed by {signal.Signals(-code).name}" if code and code < 0
-                           else f"exited with code {code}")
-                    raise SamplerDied(f"sampler process (pid {self.proc.pid}) {how}") from None
+                self._check_alive()
         if msg[0] == "error":
             raise SamplerDied(f"sampler process (pid {self.proc.pid}) failed:\n{msg[1]}")
         _, i, info = msg

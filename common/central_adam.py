@@ -14,9 +14,12 @@ of one parent, so they must find the memory by name. Chunk c is the file `<name>
 /dev/shm (RAM), float32 [3, n_c]: parameters, Adam's first moment, its second moment;
 `<name>.steps` is int64 [num_chunks]. All are mapped with `torch.from_file(shared=True)`.
 Locks are `fcntl.flock` on the chunk's own file (LOCK_NB to try one without waiting); the kernel
-drops a lock when its holder dies, so a killed rank never leaves a chunk locked. Once every
-process has mapped and opened the files, the creator unlinks them (`unlink()`): mappings and
-locks live on, and nothing is left in /dev/shm however the run ends.
+drops a lock when its holder dies, so a killed rank never leaves a chunk locked. `shared()` makes
+the machine's central state: rank 0 creates it, the others attach by name, and rank 0 unlinks the
+names once all have attached (mappings and locks live on), or, whatever ends the start-up in
+between (another rank dying, an exception), in a `finally` or dist's exit hook. Names carry the
+creator's pid: a creator killed outright (SIGKILL) leaves its files, which the next creator
+removes.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from common import dist
 from common.sampler import Upload
 
 FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
@@ -49,7 +54,8 @@ class CentralAdam:
         self.params = list(params)
         n = sum(p.numel() for p in self.params)
         self.sizes = [len(c) for c in torch.arange(n).tensor_split(num_chunks)]
-        self.betas, self.eps, self.name = betas, eps, name or f"accelrl-{uuid.uuid4().hex[:12]}"
+        self.betas, self.eps = betas, eps
+        self.name = name or f"accelrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.paths = [folder / f"{self.name}.c{c}" for c in range(num_chunks)]
         self.steps_path = folder / f"{self.name}.steps"
         if name is None:
@@ -63,6 +69,7 @@ class CentralAdam:
         self._upload = Upload(self.params[0].device)
 
     def _create(self, state: dict | None) -> None:
+        remove_stale(self.paths[0].parent)
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
         m = state["exp_avg"].float() if state else torch.zeros_like(flat)
         v = state["exp_avg_sq"].float() if state else torch.zeros_like(flat)
@@ -145,3 +152,33 @@ class CentralAdam:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def remove_stale(folder: Path = FOLDER) -> None:
+    """Unlink central-state files whose creator no longer runs (it was killed outright)."""
+    for f in folder.glob("accelrl-*"):
+        m = re.match(r"accelrl-(\d+)-", f.name)
+        if m:
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                f.unlink(missing_ok=True)
+            except PermissionError:  # alive, another user's
+                pass
+
+
+def shared(make, world, state: dict | None = None) -> CentralAdam:
+    """The machine's central optimizer for every rank: `make(state=...)` on rank 0, which writes
+    the files, `make(name=...)` on the others, which attach; the names are gone on return or on
+    any way out of this call (module docstring). Called by all ranks."""
+    central = make(state=state) if world.is_main else None
+    if central is not None:
+        dist.on_exit(central.unlink)  # a failed collective leaves through os._exit
+    try:
+        name = dist.broadcast_object(central.name if central else None, world)
+        central = central or make(name=name)
+        dist.all_gather(None)  # every rank has mapped and opened the files
+    finally:
+        if world.is_main and central is not None:
+            central.unlink()
+    return central

@@ -173,6 +173,7 @@ _timeout = 600.0
 _made_group = False  # this process joined a group: finish() and fail() end it with os._exit
 _io_group = None  # gloo, with IO_GRACE more: the collectives that wait for checkpoint writes
 _compile = False  # some network was compiled (compiled())
+_exit_fns: list = []  # on_exit()
 
 
 def _guarded(collective):
@@ -187,8 +188,23 @@ def _guarded(collective):
                   f"{first}. Another rank died or made no progress for {_timeout:g} s "
                   "(--collective-timeout); ending this rank so torchrun can stop or restart the "
                   "group", file=sys.stderr, flush=True)
-            os._exit(1)  # no clean-up: destroying a broken group can hang
+            _run_on_exit()
+            os._exit(1)  # no group clean-up: destroying a broken group can hang
     return run
+
+
+def on_exit(fn) -> None:
+    """Run fn() before any os._exit here (a failed collective, finish(), fail()): what the
+    interpreter's exit would otherwise have done, e.g. unlink shared memory this rank created."""
+    _exit_fns.append(fn)
+
+
+def _run_on_exit() -> None:
+    while _exit_fns:
+        try:
+            _exit_fns.pop()()
+        except Exception as e:  # a clean-up that fails must not keep the others from running
+            print(f"warning: clean-up at exit failed: {e}", file=sys.stderr, flush=True)
 
 
 def active() -> bool:
@@ -232,6 +248,7 @@ def _leave(code: int) -> None:
     their files (TensorBoard, summary.json, fsynced checkpoints) before this, and run nothing that
     writes in a non-daemonic thread.
     """
+    _run_on_exit()
     for p in multiprocessing.active_children():
         if p.daemon:
             p.kill()

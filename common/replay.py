@@ -24,13 +24,8 @@ sampleable once rows t..t+n are written, and until its 3 history rows are overwr
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import Callable
-
 import torch
 
-from common import checkpoint, dist
 from common.sampler import Upload
 
 TERM, TRUNC = 1, 2  # flags bits 0 and 1; bits 2-3: what the stack held before the newest frame
@@ -299,77 +294,3 @@ class Replay:
                 self.flags[row, open_] |= TRUNC
                 rows = torch.full_like(open_, row)
                 self._store_finals(rows, open_, self.frames[pending, open_])
-
-
-# ---- the DQN family's shard of --replay-size: sized, checked, restored or refilled ----
-def _free_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take on `device`: the GPU's free memory, or the host's
-    MemAvailable shared by this machine's ranks."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
-    return kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-
-def make_shard(args, world) -> Callable[[], Replay]:
-    """A maker of this rank's shard of --replay-size (on its device, or the CPU with
-    --replay-device cpu). Says the shard's size once, and refuses with one line a size that
-    does not fit the free memory of its device (the 1M default takes 7.1 GB)."""
-    rows = args.replay_size // world.world_size // args.num_envs
-    if rows < args.num_steps + args.n_step + 5:
-        dist.fail(f"--replay-size {args.replay_size} gives {rows} transitions per environment "
-                  f"on each of {world.world_size} ranks; need at least --num-steps + --n-step + 5 "
-                  f"= {args.num_steps + args.n_step + 5}")
-    device = world.device if args.replay_device == "auto" else torch.device("cpu")
-    n = rows * args.num_envs
-    need = n * (84 * 84 + 2 + 4 + 1 + 4) + (16 << max(1, (n - 1).bit_length()) if
-                                            args.prioritized else 0)
-    free = _free_bytes(device)
-    error = None if need < free else (
-        f"the replay shard of {n:,} transitions needs {need / 1e9:.2f} GB on {device}, which has "
-        f"{free / 1e9:.2f} GB free: lower --replay-size (now {args.replay_size:,} over all ranks)")
-    error = dist.agree(error)
-    if error:
-        dist.fail(error)
-    if world.is_main:
-        print(f"replay: {n:,} transitions per rank ({need / 1e9:.2f} GB on {device})", flush=True)
-    return lambda: Replay(n, args.num_envs, device, n_step=args.n_step, gamma=args.gamma,
-                          prioritized=args.prioritized, alpha=args.priority_alpha)
-
-
-def restore_or_refill(new_replay: Callable[[], Replay], state: dict | None, run_dir, world,
-                      args, counters: dict) -> Replay:
-    """This rank's replay: a fresh one, the saved shard of a resumed run (--save-replay), or,
-    when any rank lacks its shard, a fresh one on every rank with learning put off for
-    --learning-starts steps while it refills (all ranks refill together, or none does: every
-    rank must take the same updates)."""
-    replay = new_replay()
-    if state is None:
-        return replay
-    loaded = False
-    shard = checkpoint.load_rank_state(run_dir, state["global_step"], world) \
-        if args.save_replay else None
-    try:
-        loaded = shard is not None and replay.load_state_dict(shard["replay"]) is None
-    except (ValueError, KeyError) as e:
-        print(f"warning: rank {world.rank}: {e}", file=sys.stderr, flush=True)
-    if dist.all_reduce_mean(torch.tensor([float(loaded)], device=world.device)).item() < 1:
-        replay = new_replay() if loaded else replay
-        counters["learn_from"] = state["global_step"] + args.learning_starts
-        if world.is_main:
-            print(f"replay not restored: refilling it for {args.learning_starts:,} steps "
-                  "before learning again", flush=True)
-    return replay
-
-
-def updates_due(counters: dict, args, global_batch: int, world_size: int) -> int:
-    """Updates to take after `global_batch` new steps: replay_ratio x steps / (batch x ranks),
-    the fraction carried in counters["credit"], so samples replayed / samples generated is
-    exactly --replay-ratio whatever the batch or world size (logged as charts/replay_ratio)."""
-    counters["generated"] += global_batch
-    counters["credit"] += args.replay_ratio * global_batch / (args.batch_size * world_size)
-    due = int(counters["credit"])
-    counters["credit"] -= due
-    counters["updates"] += due
-    return due
