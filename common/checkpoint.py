@@ -1,20 +1,19 @@
 """Run directories, verified atomic checkpoints, exact resume, and clean stops on SIGTERM / SIGINT.
 
-A checkpoint holds the script's state dict (model, optimizer, counters, episode statistics) and
-every rank's RNG states in `checkpoints/step_<N>.pt`; per-rank data (a replay shard) goes in
+`checkpoints/step_<N>.pt` holds the script's state dict (model, optimizer, counters, episode
+statistics) and every rank's RNG states; per-rank data (a replay shard) goes in
 `step_<N>.rank<R>.pt`, written by each rank to its own disk. Every file is written to a temporary
-name, fsynced, given a `.sha256` and renamed, so a crash never leaves half a file under a
-checkpoint's name, and a file damaged later fails its checksum and is skipped for the previous
-one. The newest `--keep-checkpoints` are kept; older ones go only once the new one is in place.
+name, fsynced, given a `.sha256` and renamed: a crash never leaves half a file under a
+checkpoint's name, and one damaged later fails its checksum and is skipped for the previous one.
+The newest `--keep-checkpoints` are kept; older ones go only once the new one is in place.
 
-Where the run goes (`locate`, rank 0): without `--resume` a new run directory (an existing one is
-never overwritten); `--resume FILE|DIR` that checkpoint or the run's newest good one, written into
-its own run unless `--run-dir` names a new one; `--resume auto` `--run-dir`'s newest good
-checkpoint, else a fresh start there. A group torchrun restarts (`--max-restarts`) behaves as
-`auto` and finds its first attempt's directory by torchrun's run id.
-
-Not restored: the emulators' states (ale-py cannot save a vector env). Environments restart with
-seeds from `--seed` and the global step, so a resume is repeatable, but open games are lost.
+Where the run goes (`locate`, rank 0): without `--resume` a new run directory (never an existing
+one); `--resume FILE|DIR` that checkpoint or the run's newest good one, written into its own run
+unless `--run-dir` names a new one; `--resume auto` `--run-dir`'s newest good checkpoint, else a
+fresh start there. A group torchrun restarts behaves as `auto`, finding its first attempt's
+directory by torchrun's run id. Not restored: the emulators (ale-py cannot save a vector env);
+they restart with seeds from `--seed` and the global step, so a resume is repeatable, but open
+games are lost.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ def default_run_dir(env_id: str, script: str, seed: int) -> Path:
 
 
 def step_of(ckpt: Path) -> int | None:
-    """The global step a checkpoint file was written at (its name: step_<N>.pt), if it says."""
+    """The global step in a checkpoint's name (step_<N>.pt), or None."""
     m = CKPT.fullmatch(ckpt.name)
     return int(m.group(1)) if m else None
 
@@ -63,7 +62,7 @@ def _sha256(path: Path) -> str:
 
 
 def verify(path: Path) -> str | None:
-    """Why the file cannot be trusted, or None when its checksum matches."""
+    """Why the file cannot be trusted, or None."""
     digest = path.with_name(path.name + ".sha256")
     if not path.is_file() or path.stat().st_size == 0:
         return "empty or missing"
@@ -84,12 +83,10 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def newest_good(folder: Path) -> Path | None:
-    """The newest checkpoint that passes its checksum (damaged newer ones are named and skipped),
-    or None when there is none at all."""
+    """The newest checkpoint that passes its checksum (damaged newer ones skipped, with a warning)."""
     found = checkpoints(folder)
     for path in reversed(found):
-        problem = verify(path)
-        if problem is None:
+        if (problem := verify(path)) is None:
             return path
         print(f"warning: skipping checkpoint {path}: {problem}", file=sys.stderr, flush=True)
     if found:
@@ -126,8 +123,7 @@ def locate(args, script: str) -> tuple[Path, Path | None]:
                 raise FileNotFoundError(f"no checkpoint (step_*.pt) in {path}")
             ckpt = newest_good(path)
         elif path.is_file():
-            problem = verify(path)
-            if problem:
+            if problem := verify(path):
                 raise ValueError(f"cannot read checkpoint {path}: {problem}")
             ckpt = path
         else:
@@ -161,13 +157,9 @@ def load(path: Path) -> dict:
 
 
 def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None]:
-    """Create the run directory chosen by cli.parse_args and load the checkpoint to resume.
-
-    Rank 0 reads and every rank receives the state (other nodes may not see rank 0's disk), so
-    an error stops all ranks with one message. Returns (run_dir, checkpoint state or None).
-    """
-    error, state = None, None
-    run_dir = Path(args.run_dir)
+    """Create the run directory cli.parse_args chose; rank 0 loads the checkpoint to resume, and
+    every rank receives it (or one error message): (run_dir, state or None)."""
+    error, state, run_dir = None, None, Path(args.run_dir)
     if world.is_main:
         try:
             if args.resume:
@@ -187,8 +179,7 @@ def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None
                 (run_dir / "torchrun_id").write_text(os.environ["TORCHELASTIC_RUN_ID"])
         except (OSError, ValueError) as e:
             error = str(e)
-    error = dist.agree(error)
-    if error:
+    if error := dist.agree(error):
         dist.fail(error)
     return run_dir, dist.broadcast_object(state, world)
 
@@ -214,7 +205,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def _write(obj, path: Path) -> None:
-    """torch.save to a temporary file, fsync, checksum beside it, then rename into place."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -244,11 +234,8 @@ def _prune(folder: Path, keep: int, mine: re.Pattern) -> None:
 
 def save(run_dir: Path, world: dist.World, global_step: int, keep: int, state: dict,
          rank_state: dict | None = None) -> Path:
-    """Write `checkpoints/step_<global_step>.pt` (rank 0) with every rank's RNG states, and each
-    rank's `rank_state` (if given) to `step_<global_step>.rank<R>.pt`. Called by all ranks.
-
-    A failed write (a full disk) ends the run on every rank with one line, leaving the previous
-    checkpoint intact; old checkpoints are pruned only after the new one is complete."""
+    """Write `step_<global_step>.pt` (rank 0) and each rank's `rank_state` (if given), then prune;
+    called by all ranks. A failed write (a full disk) ends the run on every rank with one line."""
     folder = run_dir / "checkpoints"
     path = folder / f"step_{global_step}.pt"
     error = None
@@ -264,12 +251,11 @@ def save(run_dir: Path, world: dist.World, global_step: int, keep: int, state: d
             _write({**state, "global_step": global_step, "rng": [r for r, _ in gathered]}, path)
         except OSError as e:
             errors.append(str(e))
-    message = dist.agree("; ".join(errors) or None, io=True)  # rank 0 wrote the state
-    if message:
+    if message := dist.agree("; ".join(errors) or None, io=True):  # rank 0 wrote the state
         previous = [p.name for p in checkpoints(folder) if p != path]
-        dist.fail(f"cannot write checkpoint {path}: {message}; "
-                  f"{'the previous checkpoint ' + previous[-1] + ' is intact' if previous else 'no earlier checkpoint exists'}",
-                  code=1)
+        kept = (f"the previous checkpoint {previous[-1]} is intact" if previous
+                else "no earlier checkpoint exists")
+        dist.fail(f"cannot write checkpoint {path}: {message}; {kept}", code=1)
     if rank_state is not None:
         _prune(folder, keep, re.compile(rf"step_(\d+)\.rank{world.rank}\.pt"))
     if world.is_main:
@@ -282,8 +268,7 @@ def load_rank_state(run_dir: Path, global_step: int, world: dist.World) -> dict 
     is missing, damaged, or was written by a run with another number of ranks."""
     path = run_dir / "checkpoints" / f"step_{global_step}.rank{world.rank}.pt"
     other = run_dir / "checkpoints" / f"step_{global_step}.rank{world.world_size}.pt"
-    problem = verify(path) or ("written by more ranks" if other.exists() else None)
-    if problem:
+    if problem := verify(path) or ("written by more ranks" if other.exists() else None):
         print(f"warning: rank {world.rank}: not using {path}: {problem}", file=sys.stderr,
               flush=True)
         return None
@@ -291,9 +276,9 @@ def load_rank_state(run_dir: Path, global_step: int, world: dist.World) -> dict 
 
 
 def restore(state: dict | None, world: dist.World, **objects) -> int:
-    """`load_state_dict` for each keyword object (model=, optimizer=, target=...) from the entry
-    of the same name, and this rank's RNG states; returns the global step (0 with no checkpoint).
-    Optimizers keep this launch's hyperparameters (lr, eps...): only their statistics return."""
+    """`load_state_dict` for each keyword object (model=, optimizer=...) from its entry, and this
+    rank's RNG states; returns the global step (0 without a checkpoint). Optimizers keep this
+    launch's hyperparameters (lr, eps...): only their statistics return."""
     if state is None:
         return 0
     try:
@@ -332,8 +317,8 @@ def restore_rng(state: dict, world: dist.World) -> None:
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag, checked between iterations; all ranks agree (a signal to one
-    stops all), and the script checkpoints and exits cleanly."""
+    """SIGTERM / SIGINT set a flag that all ranks check together between iterations (a signal to
+    one stops all); the script then checkpoints and exits cleanly."""
 
     def __init__(self):
         self.signal: int | None = None

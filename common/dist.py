@@ -1,31 +1,23 @@
 """Distributed set-up: one process per GPU, launched by torchrun (or plain python: a world of one).
 
-Gradients are averaged with one flat all-reduce per update, as in the paper (Sec. 3.2: summed
-over GPUs with NCCL, divided by their number, the same step applied everywhere). By hand, not
-DistributedDataParallel: the communication phase is timed on its own (DDP hides it in backward);
-the Nature CNN is one 6.7 MB bucket, so DDP's overlap buys little; and sampling-time inference and
+Gradients are averaged with one flat all-reduce per update (paper Sec. 3.2: summed over GPUs with
+NCCL, divided by their number, the same step applied everywhere). By hand, not
+DistributedDataParallel: the communication phase is timed on its own (DDP hides it in backward),
+the Nature CNN is one 6.7 MB bucket (DDP's overlap buys little), and sampling-time inference and
 target networks use the plain module.
 
-Devices. Rank r uses GPU `LOCAL_RANK` of those visible, or the only one when a scheduler shows
-each process one GPU. NCCL refuses two ranks on one GPU, so that is refused here with one line;
-`--backend gloo` lets several ranks share a GPU (CUDA tensors over gloo), which exercises the
-multi-rank paths on a one-GPU machine. The GPU habits (cuDNN autotuning, TF32 matmuls, no
-argument validation in torch.distributions: a host sync per call) are set here, once, and
-listed by `switches()` for summary.json.
+Devices: rank r takes GPU `LOCAL_RANK` of those visible, or the only one (a scheduler's binding).
+NCCL refuses two ranks on one GPU, so that is refused here in one line; `--backend gloo` lets
+ranks share a GPU, which exercises the multi-rank paths on a one-GPU machine.
 
-Failures. Every collective runs under the group's timeout (`--collective-timeout`). With gloo a
-dead peer fails the collective at once; with NCCL collectives are asynchronous, so a dead peer
-shows as a wait, ended by NCCL's watchdog at the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=1 tears
-the process down). Either way this rank ends with one line and exit code 1, and torchrun stops or
-restarts the group (`--max-restarts`). Checkpoint writes wait on a side group whose timeout adds
-IO_GRACE, so a long `--save-replay` write does not trip the others' timeout.
-
-Exit. `finish()` ends main() and `fail()` ends a user error; both leave the group and end with
-`os._exit`, so no C++ destructor of the interpreter's teardown runs while the group's threads
-(gloo's `pt_gloo_runloop`, NCCL's watchdog) still run: that aborted finished ranks with
-"terminate called without an active exception" while another rank was still finishing.
+Failures: a collective waits at most `--collective-timeout` (gloo fails at once on a dead peer;
+NCCL is asynchronous, so its watchdog ends the wait, TORCH_NCCL_ASYNC_ERROR_HANDLING=1), then the
+rank ends with one line and exit code 1, and torchrun stops or restarts the group. Checkpoint
+writes wait on a side group with IO_GRACE more, so a long `--save-replay` write trips no timeout.
+`finish()` and `fail()` end with `os._exit`, so no C++ destructor of the interpreter's teardown
+runs while the group's threads (gloo's `pt_gloo_runloop`, NCCL's watchdog) still run: that aborted
+finished ranks with "terminate called without an active exception" while another was finishing.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -42,10 +34,9 @@ import torch
 import torch.distributed as dist
 
 if dist.is_available():
-    # Before any group exists: its collectives take `group=group.WORLD` as a default argument,
-    # evaluated on import (torch._dynamo imports it when an optimizer is made). Imported after
-    # init_process_group they hold the group for good, destroy_process_group() frees nothing and
-    # its threads outlive it until the interpreter's teardown. Imported here, the default is None.
+    # Now, before any group exists: its collectives' default `group=group.WORLD`, evaluated on
+    # import (torch._dynamo imports it with an optimizer), is then None, not a group held for
+    # good whose threads would outlive destroy_process_group() until the interpreter's teardown.
     import torch.distributed.nn.functional  # noqa: F401
 
 
@@ -65,12 +56,8 @@ IO_GRACE = 3600.0  # extra seconds a rank waits for another's checkpoint write
 
 
 def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
-    """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE, pick the device and join the group.
-
-    Nothing assumes one machine: torchrun's rendezvous supplies MASTER_ADDR and MASTER_PORT.
-    `timeout`: seconds a collective waits for the other ranks before it fails. `backend`: auto
-    (NCCL on GPUs, gloo on CPUs), nccl or gloo.
-    """
+    """Join torchrun's group (RANK, LOCAL_RANK, WORLD_SIZE; any number of machines) on this rank's
+    device. `timeout`: seconds a collective waits; `backend`: auto (NCCL on GPUs, else gloo)."""
     global _timeout, _made_group, _io_group
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -82,7 +69,6 @@ def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
     torch.distributions.Distribution.set_default_validate_args(False)  # a host sync per check
     if "RANK" in os.environ and not dist.is_initialized():
         nccl = device.type == "cuda" and backend != "gloo"
-        kwargs = {"device_id": device} if nccl else {}
         _timeout = timeout
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a timed-out rank ends
         # torchrun's store outlives a restarted worker group, and gloo would read the dead
@@ -93,13 +79,13 @@ def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
         if nccl:  # NCCL's own refusal ("Duplicate GPU detected") comes later, as a traceback
             store.set(f"accelrl/gpu_{attempt}_{rank}",
                       f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}")
-            problem = shared_gpu([store.get(f"accelrl/gpu_{attempt}_{r}").decode()
-                                  for r in range(world_size)])
-            if problem:
+            if problem := shared_gpu([store.get(f"accelrl/gpu_{attempt}_{r}").decode()
+                                      for r in range(world_size)]):
                 fail(problem)
         dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world_size,
                                 store=dist.PrefixStore(f"accelrl/attempt_{attempt}", store),
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+                                timeout=datetime.timedelta(seconds=timeout),
+                                **({"device_id": device} if nccl else {}))
         _made_group = True
         if world_size > 1:
             _io_group = dist.new_group(backend="gloo",
@@ -108,8 +94,7 @@ def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
 
 
 def pick_device(cuda: bool, local_rank: int, backend: str = "auto") -> torch.device:
-    """This rank's GPU (module docstring), the CPU, or one line and exit 2 for a LOCAL_RANK
-    that has no GPU of its own under NCCL."""
+    """This rank's GPU (module docstring) or the CPU; exit 2 if NCCL gives LOCAL_RANK no GPU."""
     if not (cuda and torch.cuda.is_available()):
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -123,8 +108,7 @@ def pick_device(cuda: bool, local_rank: int, backend: str = "auto") -> torch.dev
 
 
 def shared_gpu(gpus: list[str]) -> str | None:
-    """Why NCCL would refuse this layout (two ranks on one GPU), given each rank's
-    "host/GPU uuid" in rank order, or None."""
+    """Why NCCL would refuse the ranks' "host/GPU uuid"s (rank order): two on one GPU; or None."""
     first: dict[str, int] = {}
     for rank, gpu in enumerate(gpus):
         if gpu in first:
@@ -162,8 +146,7 @@ def switches() -> dict:
 
 
 def clock(device: torch.device) -> float:
-    """time.perf_counter() once `device` has finished its queued work: phase timers read it once
-    per phase boundary (a GPU runs kernels after their launch returns)."""
+    """perf_counter() once `device` has run its queued work (a GPU's kernels outlast launch)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -194,8 +177,7 @@ def _guarded(collective):
 
 
 def on_exit(fn) -> None:
-    """Run fn() before any os._exit here (a failed collective, finish(), fail()): what the
-    interpreter's exit would otherwise have done, e.g. unlink shared memory this rank created."""
+    """Run fn() before any os._exit here, as the interpreter's exit would (e.g. unlink shm)."""
     _exit_fns.append(fn)
 
 
@@ -228,8 +210,8 @@ def finish(code: int = 0) -> None:
 
 
 def fail(message: str, code: int = 2) -> None:
-    """End a user-caused error on every rank: one line from rank 0, a non-zero exit, no hang
-    (os._exit as finish(); without a group SystemExit(code), which in-process tests catch)."""
+    """End a user-caused error on every rank: one line from rank 0, exit `code`, no hang (as
+    finish(); without a group SystemExit(code), which in-process tests catch)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     cleanup()
@@ -239,15 +221,10 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _leave(code: int) -> None:
-    """End this process now with `code`, without the interpreter's teardown (module docstring).
-
-    os._exit skips what a normal exit does in Python, so that is done first: daemonic children
-    still alive are killed (APPO's sampler ignores SIGTERM, and multiprocessing's exit handler
-    would wait for it forever), the atexit handlers run (multiprocessing's finalizers unlink the
-    sampler queues' semaphores; logging flushes), and stdout/stderr are flushed. The scripts close
-    their files (TensorBoard, summary.json, fsynced checkpoints) before this, and run nothing that
-    writes in a non-daemonic thread.
-    """
+    """os._exit(code) without the interpreter's teardown (module docstring), after what it would do:
+    kill daemonic children (APPO's sampler ignores SIGTERM; multiprocessing would wait for it
+    forever), run atexit handlers (they unlink the sampler queues' semaphores, flush logging) and
+    flush stdout/stderr. Scripts close their files first and write in no non-daemonic thread."""
     _run_on_exit()
     for p in multiprocessing.active_children():
         if p.daemon:
@@ -264,8 +241,8 @@ def _leave(code: int) -> None:
 
 @_guarded
 def agree(error: str | None, io: bool = False) -> str | None:
-    """Share rank 0's verdict (an error message or None) so all ranks stop or go on together.
-    `io`: on the side group, after a checkpoint write (module docstring)."""
+    """Rank 0's verdict (an error or None) on every rank, so all stop or go on together.
+    `io`: on the side group, after a checkpoint write."""
     if not active():
         return error
     box = [error]
@@ -275,7 +252,7 @@ def agree(error: str | None, io: bool = False) -> str | None:
 
 @_guarded
 def broadcast_object(obj, world: World):
-    """Rank 0's object on every rank (checkpoints: other nodes may not see rank 0's disk)."""
+    """Rank 0's object on every rank (other nodes may not see rank 0's disk)."""
     if not active():
         return obj
     box = [obj if world.is_main else None]
@@ -302,10 +279,8 @@ def all_reduce_grads(model: torch.nn.Module) -> float:
     dist.all_reduce(flat)
     seconds = clock(flat.device) - t0
     flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
     return seconds
 
 
@@ -321,8 +296,7 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
 
 @_guarded
 def all_gather(obj, io: bool = False) -> list:
-    """Every rank's object, in rank order (episode statistics for logging). `io`: on the side
-    group, which waits IO_GRACE longer for a rank still writing its checkpoint."""
+    """Every rank's object, in rank order. `io`: on the side group (waits IO_GRACE longer)."""
     if not active():
         return [obj]
     out = [None] * dist.get_world_size()

@@ -2,24 +2,23 @@
 `gymnasium.make_vec`, both behind one small send/recv interface with true episode statistics.
 
 Conventions every script relies on:
-- Observations are uint8 `[n, 4, 84, 84]` (4 stacked 84x84 grayscale frames), actions are discrete.
-- Autoreset is `SameStep`: when an episode ends, `recv` returns the first observation of the next
-  episode, so every transition in a rollout is real and no action is ever ignored. The last
-  observation of a truncated episode is handed back separately, for bootstrapping.
+- Observations are uint8 `[n, 4, 84, 84]` (4 stacked 84x84 grayscale frames); actions discrete.
+- Autoreset is `SameStep`: when an episode ends, `recv` returns the next episode's first
+  observation, so every transition in a rollout is real and no action is ignored; a truncated
+  episode's last observation is handed back separately, for bootstrapping.
 - Rewards are returned raw (unclipped). Learners clip them; the statistics never do.
 - With episodic lives on, `terminated` is raised on every life loss (the learner's episode ends,
-  the game goes on). A *game* ends on game over or truncation, and that is what episode
-  statistics count: the true score over all lives and the true length, in agent steps.
-- FIRE (`fire_reset`, on by default): in games whose action set has FIRE, it is pressed at every
-  game start and as the first action after every lost life, as the baselines' wrappers do (their
-  FireResetEnv inside EpisodicLifeEnv). Breakout serves the ball only on FIRE: without this an
-  agent that has not learned to press it stalls after its first lost life until the time limit.
-  ale-py's own `use_fire_reset` fires only at a game reset. The agent's action on that one step
-  is replaced, and the transition keeps the agent's action: the environment is then an MDP in
-  which that step's action has no effect, so nothing the learners compute is biased by it.
-- `max_episode_steps` cuts (truncates) a game: ALE games at 4x that many emulator frames, the
-  reset's no-op frames included (Machado et al. 2018's 18,000-frame cap at 4,500); other ids
-  at that many steps (Gymnasium's TimeLimit).
+  the game goes on). Statistics count *games* (ended by game over or truncation): the true score
+  over all lives and the true length, in agent steps.
+- FIRE (`fire_reset`, on by default) is pressed, in games that have it, at every game start and
+  instead of the agent's action after every lost life, as the baselines' FireResetEnv inside
+  EpisodicLifeEnv do (ale-py's `use_fire_reset` fires only at a reset): Breakout serves only on
+  FIRE, so an agent yet to learn it would stall after its first lost life until the time limit.
+  The transition keeps the agent's action: in this MDP that step's action has no effect, so
+  nothing the learners compute is biased.
+- `max_episode_steps` truncates a game: ALE games at 4x that many emulator frames, the reset's
+  no-op frames included (Machado et al. 2018's 18,000-frame cap at 4,500); other ids at that many
+  steps (Gymnasium's TimeLimit).
 """
 
 from __future__ import annotations
@@ -38,12 +37,9 @@ class EnvError(ValueError):
 
 
 def ale_game(env_id: str) -> str | None:
-    """The ALE ROM name for an Atari id as Gymnasium spells it, or None for a non-Atari id.
-
-    `Pong-v5`, `ALE/Pong-v5`, `PongNoFrameskip-v4` and `Pong-v4` all give `pong`. We only use
-    the game name: frame skip, sticky actions and the like come from our own flags, never from
-    the id's suffix (so `PongNoFrameskip-v4` does not mean "no frame skip" here).
-    """
+    """The ALE ROM name of an Atari id (`Pong-v5`, `ALE/Pong-v5`, `PongNoFrameskip-v4`, `Pong-v4`:
+    `pong`), or None for a non-Atari id. Only the game name counts: frame skip, sticky actions and
+    the like come from our flags, never from the suffix (`NoFrameskip` means nothing here)."""
     import ale_py
 
     gym.register_envs(ale_py)
@@ -65,22 +61,17 @@ def ale_game(env_id: str) -> str | None:
 
 
 def env_seeds(seed: int, rank: int, num_envs: int, offset: int = 0) -> np.ndarray:
-    """Distinct, repeatable seeds for each environment of each rank, derived from `--seed`.
-
-    `offset` gives fresh seeds after a resume (pass the iteration), so a resumed run does not
-    replay the episodes it already saw, and is still repeatable.
-    """
+    """Distinct, repeatable seeds for each environment of each rank from `--seed`; `offset` (the
+    step of a resume) gives fresh ones, so a resumed run does not replay the episodes it saw."""
     ss = np.random.SeedSequence([seed, rank, offset])
     return ss.generate_state(num_envs, dtype=np.uint32).astype(np.int64) % (2**31 - 1)
 
 
 class Envs:
-    """`num_envs` environments stepped together: `reset()`, then `send(actions)` / `recv()`.
-
-    `send` returns at once for ALE (its C++ threads simulate in the background); that is what lets
-    the alternating sampler run inference on one group while another group simulates.
-    Finished games are collected in `self.episodes` as `(true_return, length)`.
-    """
+    """`num_envs` environments stepped together: `reset()`, then `send(actions)` / `recv()`. ALE's
+    `send` returns at once (its C++ threads simulate meanwhile): that lets the alternating sampler
+    infer for one group while the other simulates. Finished games: `self.episodes`, as
+    `(true_return, length)`."""
 
     def __init__(self, env_id: str, num_envs: int, *, episodic_life: bool = True,
                  sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
@@ -91,9 +82,8 @@ class Envs:
         if self.game is not None:
             from ale_py.vector_env import AtariVectorEnv
 
-            # ale-py's own `episodic_life=True` restarts the whole game at every life loss (the
-            # agent would never play its later lives, and the game score would be lost), so we
-            # ask for the life-loss signal instead and let the game run on (paper: episodic lives).
+            # ale-py's `episodic_life=True` restarts the game at every life loss (later lives never
+            # played, the score lost): take the life-loss signal and let the game run on instead.
             self.venv = AtariVectorEnv(
                 self.game, num_envs, num_threads=num_threads, noop_max=30,
                 use_fire_reset=fire_reset, episodic_life=False, life_loss_info=episodic_life,
@@ -144,11 +134,8 @@ class Envs:
             self._actions = actions
 
     def recv(self):
-        """Returns obs, raw reward, terminated, truncated, final_obs (numpy arrays).
-
-        final_obs: uint8 [k, 4, 84, 84], the last observation of each truncated env in index
-        order (k = truncated.sum()); the value there bootstraps the truncated return.
-        """
+        """obs, raw reward, terminated, truncated, final_obs (numpy arrays); final_obs uint8
+        [k = truncated.sum(), 4, 84, 84]: each truncated env's last observation, in index order."""
         if self.game is not None:
             obs, reward, terminated, truncated, info = self.venv.recv()
             lives = info["lives"].astype(np.int64)
@@ -192,9 +179,8 @@ def fire_action(game: str) -> int | None:
 def make_envs(env_id: str, num_envs: int, *, groups: int = 1, episodic_life: bool = True,
               sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
               max_episode_steps: int | None = None) -> list[Envs]:
-    """A rank's `num_envs` environments, split into `groups` equal groups (2 for the alternating
-    sampler). Seeds are given at reset (`Sampler.reset`), per environment index, so grouped and
-    ungrouped runs see the same episodes."""
+    """A rank's `num_envs` environments in `groups` equal groups (2 for the alternating sampler);
+    seeded at reset per environment index, so grouped and ungrouped runs see the same episodes."""
     n = num_envs // groups
     if num_threads == 0:
         # Paper's CPU budget: the machine's cores are shared by the ranks on it. Groups alternate,

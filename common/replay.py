@@ -1,25 +1,22 @@
 """Replay memory for the DQN family: each 84x84 frame stored once, on the rank's device.
 
-Layout: each environment column b of a rank has a circular buffer of single frames
-`frames[T, B, 84, 84]` and small per-step fields (action, reward, a flags byte, the index of a
-truncated episode's final frame): 7,067 bytes per transition (+16 for the sum tree) against 28,224
-for full 4-frame stacks. Stacks are rebuilt at sample time from rows t-3..t. The row after the
-newest complete one holds the next observation's frame (`add` takes the sampler's next_obs), so
-the newest transitions can bootstrap, and a saved buffer can close its open episodes on resume.
-
-Episode starts: each row records what the environment put in the 3 older frames of its stack:
-real history (also after a life loss, where ALE's stack runs on), zeros (ALE after a reset) or
-copies of the newest frame (gymnasium's frame stacking, tests' Catch). Rebuilt stacks therefore
-equal the observations the agent acted on, bit for bit.
+Layout: each environment column b has a circular buffer of single frames `frames[T, B, 84, 84]`
+and small per-step fields (action, reward, a flags byte, the index of a truncated episode's final
+frame): 7,067 bytes per transition (+16 for the sum tree) against 28,224 for 4-frame stacks.
+Stacks are rebuilt at sample time from rows t-3..t. The row after the newest complete one holds
+the next observation's frame (`add` takes next_obs), so the newest transitions can bootstrap and a
+saved buffer can close its open episodes on resume. Each row also records what the environment
+put in the 3 older frames of its stack: real history (also after a life loss, where ALE's stack
+runs on), zeros (ALE after a reset) or copies of the newest frame (gymnasium's frame stacking,
+tests' Catch), so rebuilt stacks equal the observations the agent acted on, bit for bit.
 
 n-step returns are computed at sample time: R = sum_{k<m} gamma^k r(t+k), m <= n stopping at the
 first step that ends the episode; the bootstrap's discount is 0 after a termination, gamma^m
 otherwise. After a truncation (time limit) the bootstrap observation is the episode's true last
-one, whose newest frame is kept in a small side store.
-
-Sampling is uniform, or prioritized (Schaul et al. 2016, Sec. 3.3, proportional) from a sum tree
-whose updates and stratified descents are tensor operations over the whole batch. Transition t is
-sampleable once rows t..t+n are written, and until its 3 history rows are overwritten.
+one, whose newest frame is kept in a small side store. Sampling is uniform, or prioritized
+(Schaul et al. 2016, Sec. 3.3, proportional) from a sum tree updated and descended by tensor
+operations over the whole batch. Transition t is sampleable once rows t..t+n are written, and
+until its 3 history rows are overwritten.
 """
 
 from __future__ import annotations
@@ -38,11 +35,11 @@ class SumTree:
     def __init__(self, size: int, device: torch.device):
         self.depth = max(1, (size - 1).bit_length())
         self.leaves = 1 << self.depth
-        self.tree = torch.zeros(2 * self.leaves, dtype=torch.float64, device=device)  # fp64: sums of 1M
+        self.tree = torch.zeros(2 * self.leaves, dtype=torch.float64, device=device)  # sums of 1M
 
     def set(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        """Set leaves idx [N] to values [N] and refresh their ancestors, one level per op.
-        Repeated indices are harmless: a parent is recomputed from its children, not added to."""
+        """Set leaves idx [N] to values [N], then their ancestors level by level: recomputed from
+        the children, not added to, so repeated indices are harmless."""
         i = idx + self.leaves
         self.tree[i] = values.to(torch.float64)
         for _ in range(self.depth):
@@ -89,7 +86,6 @@ class Replay:
         self._upload = None
         self.mask_all = device.type == "cuda"  # sample(): patch truncations without a host sync
 
-    # ---- bookkeeping ----
     def _valid(self) -> tuple[int, int]:
         """Range [lo, hi] of sampleable step numbers (row = step % T) in every column."""
         size = min(self.steps, self.T - 1)  # one row holds the pending next frame
@@ -107,7 +103,7 @@ class Replay:
 
     def _store_finals(self, rows: torch.Tensor, cols: torch.Tensor, frames: torch.Tensor) -> None:
         """Keep truncated episodes' final frames [k, 84, 84] for slots (rows, cols), reusing
-        entries whose slot was overwritten and growing the store only when all are in use."""
+        entries whose slot was overwritten; grow the store only when all are in use."""
         live = torch.zeros(len(self.final_frames) + 1, dtype=torch.bool, device=self.device)
         live[self.final_idx.flatten().long()] = True  # index -1 lands on the spare last entry
         free = torch.nonzero(~live[:-1]).flatten()
@@ -128,7 +124,6 @@ class Replay:
         leaves = (rows[:, None] * self.B + torch.arange(self.B, device=self.device)).flatten()
         self.tree.set(leaves, torch.as_tensor(value, device=self.device).expand(len(leaves)))
 
-    # ---- writing ----
     @torch.no_grad()
     def add(self, obs, actions, rewards, terminated, truncated, next_obs, final_obs=None) -> None:
         """Append a [R, B] rollout: obs uint8 [R, B, 4, 84, 84], actions/rewards/terminated/
@@ -141,8 +136,7 @@ class Replay:
         lo_old, hi_old = self._valid()
         rows = (self.steps + torch.arange(R + 1, device=dev)) % self.T  # R steps + pending frame
         stacks = torch.cat([obs.to(dev), next_obs.to(dev)[None]])  # [R + 1, B, 4, 84, 84]
-        newest = stacks[:, :, 3:]
-        older = stacks[:, :, :3]
+        older, newest = stacks[:, :, :3], stacks[:, :, 3:]
         kind = torch.where((older == 0).flatten(2).all(-1), ZEROS,
                            torch.where((older == newest).flatten(2).all(-1), REPEAT, HISTORY))
         done = terminated.to(dev).to(torch.uint8) * TERM + truncated.to(dev).to(torch.uint8) * TRUNC
@@ -163,7 +157,6 @@ class Replay:
         self._set_priority(self.steps - R, self.steps, 0.0)
         self._set_priority(max(hi_old + 1, lo), hi, self.max_priority ** self.alpha)
 
-    # ---- reading ----
     def _stack(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Observation stacks uint8 [N, 4, 84, 84] ending at rows [N] of columns cols [N]."""
         r = (rows[:, None] - torch.arange(3, -1, -1, device=self.device)) % self.T  # [N, 4]
@@ -181,11 +174,9 @@ class Replay:
     @torch.no_grad()
     def sample(self, batch_size: int, beta: float = 0.4,
                device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """A batch of n-step transitions, on `device` (default: the replay's; indices stay there):
-        obs, next_obs uint8 [N, 4, 84, 84]; actions long [N]; returns, discounts, weights float
-        [N]; indices long [N] (for update_priorities). weights are importance-sampling weights
-        (N_valid * P(i))^-beta / max over the batch (Schaul et al. 2016, Sec. 3.4), 1 if uniform.
-        """
+        """n-step transitions on `device` (default: the replay's; indices stay there): obs, next_obs
+        uint8 [N, 4, 84, 84]; actions long [N]; returns, discounts, weights float [N]; indices long
+        [N]. weights: (N_valid * P(i))^-beta / max over the batch (Schaul et al. 2016, Sec. 3.4)."""
         self._flush()
         lo, hi = self._valid()
         if hi < lo:
@@ -235,9 +226,9 @@ class Replay:
 
     @torch.no_grad()
     def update_priorities(self, indices: torch.Tensor, priorities: torch.Tensor) -> None:
-        """Set sampled transitions' priorities (e.g. |TD error|), raised by priority_eps so none
-        reaches 0, and stored to the power alpha. No-op for uniform replay. A GPU learner's
-        priorities for a CPU replay are copied without waiting and applied at the next sample."""
+        """Set sampled transitions' priorities (|TD error|) + priority_eps (none reaches 0), to the
+        power alpha. A GPU learner's, for a CPU replay, are copied without waiting and applied at
+        the next sample."""
         if self.tree is None:
             return
         p = priorities.detach()
@@ -260,7 +251,6 @@ class Replay:
             copied.synchronize()
             self._set_priorities(indices, host)
 
-    # ---- checkpoints ----
     def state_dict(self) -> dict:
         self._flush()
         state = {"frames": self.frames, "actions": self.actions, "rewards": self.rewards,
@@ -272,9 +262,8 @@ class Replay:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a shard. The environments restart after a resume, so each column's newest
-        episode is closed as a truncation whose final frame is the saved pending frame: its
-        transitions bootstrap from where the game really was, never from the next game."""
+        """Restore a shard. Environments restart after a resume, so each column's open episode is
+        closed as a truncation at the saved pending frame: it bootstraps from where the game was."""
         if tuple(state["frames"].shape) != tuple(self.frames.shape) or \
                 ("tree" in state) != (self.tree is not None):
             raise ValueError(f"saved replay shard {tuple(state['frames'].shape)[:2]} "

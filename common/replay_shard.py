@@ -15,8 +15,7 @@ from common.replay import Replay
 
 
 def _free_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take on `device`: the GPU's free memory, or the host's
-    MemAvailable shared by this machine's ranks."""
+    """Memory a new allocation can take: the GPU's free memory, or MemAvailable over local ranks."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
@@ -25,9 +24,8 @@ def _free_bytes(device: torch.device) -> int:
 
 
 def make(args, world) -> Callable[[], Replay]:
-    """A maker of this rank's shard of --replay-size (on its device, or the CPU with
-    --replay-device cpu). Says the shard's size once, and refuses with one line a size that
-    does not fit the free memory of its device (the 1M default takes 7.1 GB)."""
+    """A maker of this rank's shard of --replay-size (on its device, or the CPU with --replay-device
+    cpu); says its size, and refuses in one line one that does not fit (1M takes 7.1 GB)."""
     rows = args.replay_size // world.world_size // args.num_envs
     if rows < args.num_steps + args.n_step + 5:
         dist.fail(f"--replay-size {args.replay_size} gives {rows} transitions per environment "
@@ -41,8 +39,7 @@ def make(args, world) -> Callable[[], Replay]:
     error = None if need < free else (
         f"the replay shard of {n:,} transitions needs {need / 1e9:.2f} GB on {device}, which has "
         f"{free / 1e9:.2f} GB free: lower --replay-size (now {args.replay_size:,} over all ranks)")
-    error = dist.agree(error)
-    if error:
+    if error := dist.agree(error):
         dist.fail(error)
     if world.is_main:
         print(f"replay: {n:,} transitions per rank ({need / 1e9:.2f} GB on {device})", flush=True)
@@ -52,10 +49,9 @@ def make(args, world) -> Callable[[], Replay]:
 
 def restore_or_refill(new_replay: Callable[[], Replay], state: dict | None, run_dir, world,
                       args, counters: dict) -> Replay:
-    """This rank's replay: a fresh one, the saved shard of a resumed run (--save-replay), or,
-    when any rank lacks its shard, a fresh one on every rank with learning put off for
-    --learning-starts steps while it refills (all ranks refill together, or none does: every
-    rank must take the same updates)."""
+    """This rank's replay: fresh, or the saved shard of a resumed run (--save-replay). When any
+    rank lacks its shard, every rank starts afresh and learns only after --learning-starts more
+    steps: all ranks must take the same updates."""
     replay = new_replay()
     if state is None:
         return replay

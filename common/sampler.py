@@ -8,17 +8,16 @@ Alternating sampler (two groups, `--alternate`):
     group A simulates step t while the network computes group B's actions for step t, and the
     other way round, so simulation and inference overlap (up to 2x when they cost the same).
 
-What alternating changes: each forward pass sees B/2 observations instead of B, and the random
-numbers for action sampling are drawn in a different order. What it does not change: the batch
-layout (column b is always environment b), the environments' seeds, and therefore, for a fixed
-deterministic policy, the trajectories (tests/test_sampler.py checks this bit for bit). No action
-is computed ahead with stale parameters: the last step of a rollout sends nothing, so the next
-rollout starts with the updated network. That costs one non-overlapped step per rollout.
+Alternating changes only the forward batch (B/2) and the order of the action sampling's random
+numbers: the batch layout (column b is always environment b) and the seeds stay, so a fixed
+deterministic policy gives the same trajectories (tests/test_sampler.py checks it bit for bit).
+No action is computed ahead with stale parameters: a rollout's last step sends nothing, so the
+next rollout starts with the updated network, at one non-overlapped step per rollout.
 
-Step t of a rollout holds obs[t], the action taken there, the reward that followed and whether
-the (learner's) episode ended there. With SameStep autoreset, obs[t + 1] is then the first
-observation of the next episode; `final_values[t]` is the value of the true last observation of
-a truncated episode (0 elsewhere), so returns can bootstrap across a time limit correctly.
+Step t holds obs[t], the action taken there, the reward that followed and whether the (learner's)
+episode ended there (after which SameStep autoreset puts the next episode's start in obs[t + 1]);
+`final_values[t]` is the value of a truncated episode's true last observation (0 elsewhere), so
+returns bootstrap correctly across a time limit.
 """
 
 from __future__ import annotations
@@ -43,12 +42,10 @@ class Sampler:
         self.n = envs[0].num_envs
         self.B = self.n * len(envs)
         T, B = num_steps, self.B
-        self.buf = {
-            "obs": torch.zeros((T, B, 4, 84, 84), dtype=torch.uint8, device=device),
-            "actions": torch.zeros((T, B), dtype=torch.long, device=device),
-            "final_values": torch.zeros((T, B), device=device),
-            **{k: torch.zeros((T, B), device=device) for k in extras},
-        }
+        self.buf = {"obs": torch.zeros((T, B, 4, 84, 84), dtype=torch.uint8, device=device),
+                    "actions": torch.zeros((T, B), dtype=torch.long, device=device),
+                    "final_values": torch.zeros((T, B), device=device),
+                    **{k: torch.zeros((T, B), device=device) for k in extras}}
         # Per-step outcomes are small: keep them in host arrays and move them to the device once
         # per rollout, not once per step (on the CPU, the tensors share the arrays' memory).
         self.host = {"rewards": np.zeros((T, B), np.float32),
@@ -91,8 +88,8 @@ class Sampler:
 
     @torch.no_grad()
     def _store(self, t: int, g: int, value_fn: Callable | None) -> None:
-        """Wait for group g's step t and record its outcome; the new observation goes straight
-        into obs[t + 1] (or next_obs after the last step) with a single copy."""
+        """Wait for group g's step t and record its outcome; one copy puts the new observation in
+        obs[t + 1] (next_obs after the last step)."""
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, final_obs = self.envs[g].recv()
         self.time_env += time.perf_counter() - t0
@@ -112,9 +109,7 @@ class Sampler:
 
     def collect(self, policy: Policy, value_fn: Callable | None = None) -> dict[str, torch.Tensor]:
         """Run T steps of every environment; returns the rollout buffers (reused next call).
-
-        value_fn(obs) -> [k] values, used only to bootstrap truncated episodes.
-        """
+        value_fn(obs) -> [k] values, only to bootstrap truncated episodes."""
         G = len(self.envs)
         self.buf["obs"][0] = self.next_obs
         self.buf["final_values"].zero_()
@@ -131,10 +126,9 @@ class Sampler:
 
 
 class Upload:
-    """Host tensors to a GPU in one copy: packed into a reused pinned buffer, sent without
-    waiting, and viewed back on the device with their shapes and dtypes (pageable copies wait,
-    one per tensor). On the CPU it returns the tensors as they are. For the DQN family's CPU
-    replay (`--replay-device cpu`) and APPO's shared-memory rollouts."""
+    """Host tensors to a GPU in one copy (pageable copies wait, one per tensor): packed into a
+    reused pinned buffer, sent without waiting, viewed back with their shapes and dtypes; on the
+    CPU, the tensors as they are. For `--replay-device cpu`, APPO's rollouts, central pulls."""
 
     def __init__(self, device: torch.device):
         self.device, self.host, self.sent = device, None, None
