@@ -7,16 +7,14 @@ trains (rlpyt's asynchronous runner, after Stooke & Abbeel 2018, Sec. 3).
       publish(model, version)                       collects T steps into buffer j (batched
       release(i)                                    inference, common.sampler.Sampler), sends j
 
-With `num_buffers` >= 2 the sampler has a buffer to fill while the learner trains on another:
-only the faster of the two waits. Buffers, published parameters and version are CPU tensors in
-shared memory (the sampler is the learner's child), made once; only buffer indices and episode
-statistics go through queues. On a GPU the sampler infers on the device and copies each rollout
-out once; the learner copies it in once. Context "spawn": forking a process that already runs
-torch's and ALE's threads is unsafe.
-
-Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls the parent's pid) and
-ignores SIGINT/SIGTERM (its learner decides when to stop). While it waits, the learner checks the
-sampler is alive, and raises SamplerDied with its exit code or its traceback.
+With `num_buffers` >= 2 the sampler fills one buffer while the learner trains on another: only
+the faster of the two waits. Buffers, published parameters and version are CPU tensors in shared
+memory (the sampler is the learner's child), made once; queues carry only buffer indices and
+episode statistics. On a GPU the sampler infers on the device and copies each rollout out once;
+the learner copies it in once. Context "spawn": forking a process that already runs torch's and
+ALE's threads is unsafe. Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls
+the parent's pid) and ignores SIGINT/SIGTERM (its learner decides when to stop); a waiting
+learner checks the sampler is alive and raises SamplerDied with its exit code or traceback.
 """
 
 from __future__ import annotations
@@ -43,10 +41,9 @@ class SamplerDied(RuntimeError):
 
 class AsyncSampler:
     """`policy(model, obs)` -> (actions, extras), `value_fn(model, obs)` -> values (or None):
-    module-level functions. `make_model()` builds the sampler's network, whose parameters and
-    buffers come from `publish`. `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
-    keys plus `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (the behaviour
-    policy's value of next_obs, for bootstrapping)."""
+    module-level functions. `make_model()` builds the sampler's network (its parameters and
+    buffers come from `publish`); `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
+    keys, `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (behaviour policy's)."""
 
     def __init__(self, make_model, policy, value_fn, env_kwargs: dict, num_steps: int,
                  seeds, model: torch.nn.Module, device: torch.device, extras=(),
@@ -81,9 +78,8 @@ class AsyncSampler:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """New parameters for the sampler's next rollout, tagged with `version`. The lock (the
-        sampler never copies half-written parameters) is awaited watching the sampler: one that
-        died holding it raises SamplerDied instead of blocking the learner for good."""
+        """New parameters for the sampler's next rollout, tagged `version`. The lock (no copy of
+        half-written ones) is awaited watching the sampler: if it died holding it, SamplerDied."""
         flat = _flat(model)
         while not self.lock.acquire(timeout=0.2):
             self._check_alive()
@@ -101,9 +97,8 @@ class AsyncSampler:
             raise SamplerDied(f"sampler process (pid {self.proc.pid}) {how}") from None
 
     def get(self) -> tuple[int, dict]:
-        """Wait for the next full buffer: (index, info). info: version, episodes, time_env,
-        time_inference, sampler_wait (sampler's seconds waiting for a free buffer before it),
-        learner_wait (seconds this call waited)."""
+        """The next full buffer: (index, info: version, episodes, time_env, time_inference,
+        sampler_wait (the sampler's wait for a free buffer), learner_wait (this call's))."""
         t0 = time.perf_counter()
         while True:
             try:

@@ -5,21 +5,17 @@ A3C, APPO and asynchronous DQN): one copy of the parameters and of the optimizer
 lives in CPU memory shared by every process on the machine. A process with a gradient applies
 the update rule to that copy chunk by chunk, each chunk under its own lock, taking whichever
 chunk is free first, then copies the new parameters into its own model. No process waits for
-another to finish a step; it only waits, briefly, when every chunk it still has to update is
-being written by someone else. Adam is elementwise, so each chunk's update is complete on its
-own, and a chunk's step count (for the bias correction) counts the gradients it has taken.
+another to finish a step, only, briefly, when every chunk it still has to update is being
+written. Adam is elementwise, so each chunk's update is complete on its own, and a chunk's step
+count (for the bias correction) counts the gradients it has taken.
 
-Named files, not torch.multiprocessing: torchrun starts ranks as separate programs, not children
-of one parent, so they must find the memory by name. Chunk c is the file `<name>.c<c>` in
-/dev/shm (RAM), float32 [3, n_c]: parameters, Adam's first moment, its second moment;
-`<name>.steps` is int64 [num_chunks]. All are mapped with `torch.from_file(shared=True)`.
-Locks are `fcntl.flock` on the chunk's own file (LOCK_NB to try one without waiting); the kernel
-drops a lock when its holder dies, so a killed rank never leaves a chunk locked. `shared()` makes
-the machine's central state: rank 0 creates it, the others attach by name, and rank 0 unlinks the
-names once all have attached (mappings and locks live on), or, whatever ends the start-up in
-between (another rank dying, an exception), in a `finally` or dist's exit hook. Names carry the
-creator's pid: a creator killed outright (SIGKILL) leaves its files, which the next creator
-removes.
+Named files, not torch.multiprocessing: torchrun's ranks are separate programs, not children of
+one parent, so they find the memory by name. Chunk c is `<name>.c<c>` in /dev/shm (RAM), float32
+[3, n_c]: parameters, Adam's first and second moments; `<name>.steps` is int64 [num_chunks]; all
+mapped with `torch.from_file(shared=True)`. Locks are `fcntl.flock` on the chunk's file (LOCK_NB
+to try one without waiting); the kernel drops a lock when its holder dies, so a killed rank never
+leaves a chunk locked. Names carry the creator's pid: a creator killed outright (SIGKILL) leaves
+its files, which the next creator removes.
 """
 
 from __future__ import annotations
@@ -42,12 +38,9 @@ FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettem
 
 
 class CentralAdam:
-    """Adam on central parameters shared by the processes of one machine.
-
-    The creator (name=None) writes the files from `params` (and a checkpoint's `state`); others
-    attach with the creator's `name`. `step(lr)` applies the gradients in `params`' `.grad`,
-    then `pull()` copies the central parameters into `params`.
-    """
+    """Adam on central parameters shared by one machine's processes. The creator (name=None)
+    writes the files from `params` (and a checkpoint's `state`); others attach by its `name`.
+    `step(lr)` applies `params`' gradients; `pull()` copies the central parameters back."""
 
     def __init__(self, params, num_chunks: int = 3, betas=(0.9, 0.999), eps: float = 1e-8,
                  name: str | None = None, state: dict | None = None, folder: Path = FOLDER):
@@ -134,9 +127,8 @@ class CentralAdam:
 
     @torch.no_grad()
     def pull(self) -> None:
-        """Copy the central parameters into `params`. Without locks: a chunk being written may be
-        read half old, half new, which asynchronous SGD tolerates (Hogwild), and readers never
-        delay writers."""
+        """Copy the central parameters into `params`, without locks: a chunk being written may be
+        read half old, half new, which asynchronous SGD tolerates (Hogwild); readers never wait."""
         flat = torch.cat([ch[0] for ch in self.chunks])
         flat = self._upload({"flat": flat})["flat"]  # to a GPU: one pinned copy, not one per tensor
         for p, src in zip(self.params, flat.split([p.numel() for p in self.params])):
@@ -157,8 +149,7 @@ class CentralAdam:
 def remove_stale(folder: Path = FOLDER) -> None:
     """Unlink central-state files whose creator no longer runs (it was killed outright)."""
     for f in folder.glob("accelrl-*"):
-        m = re.match(r"accelrl-(\d+)-", f.name)
-        if m:
+        if m := re.match(r"accelrl-(\d+)-", f.name):
             try:
                 os.kill(int(m.group(1)), 0)
             except ProcessLookupError:
@@ -168,9 +159,10 @@ def remove_stale(folder: Path = FOLDER) -> None:
 
 
 def shared(make, world, state: dict | None = None) -> CentralAdam:
-    """The machine's central optimizer for every rank: `make(state=...)` on rank 0, which writes
-    the files, `make(name=...)` on the others, which attach; the names are gone on return or on
-    any way out of this call (module docstring). Called by all ranks."""
+    """The machine's central optimizer, called by all ranks: rank 0 creates it (`make(state=...)`),
+    the others attach (`make(name=...)`), and rank 0 unlinks the names once all have attached
+    (mappings and locks live on), or, whatever ends the start-up in between (another rank dying,
+    an exception), in the `finally` or dist's exit hook."""
     central = make(state=state) if world.is_main else None
     if central is not None:
         dist.on_exit(central.unlink)  # a failed collective leaves through os._exit

@@ -1,8 +1,7 @@
 """Command line: tyro parsing, the run to start or continue, and the checks every script's shared
-flags need (and the DQN family's, in check_q_learning).
-
-Every problem a user can cause here ends in one line from rank 0 and exit code 2 on every rank,
-before any environment or run directory exists, so nothing can hang or be left behind.
+flags need (and the DQN family's, in check_q_learning). Every problem a user can cause here ends
+in one line from rank 0 and exit code 2 on every rank, before any environment or run directory
+exists, so nothing can hang or be left behind.
 """
 
 from __future__ import annotations
@@ -17,15 +16,12 @@ from common import checkpoint, dist, envs
 
 
 def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
-    """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags.
-
-    Returns (args, world). Rank 0 chooses the run (`checkpoint.locate`) and, when it continues
-    one, reads that run's saved flags (args.json) and sends them to every rank (other nodes may
-    not see its disk): they become the defaults, and the command line overrides them, so
-    `--resume RUN_DIR` alone continues the run as it was launched. On return `args.run_dir` is
-    the run directory and `args.resume` the checkpoint file to load (or None). `presets`: the
-    values each `--preset` name stands for (the DQN family's documented configurations).
-    """
+    """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags;
+    returns (args, world). Rank 0 chooses the run (`checkpoint.locate`) and sends every rank the
+    saved flags (args.json) of a run it continues: they become the defaults, which the command
+    line overrides, so `--resume RUN_DIR` alone continues the run as it was launched. On return
+    `args.run_dir` is the run directory and `args.resume` the checkpoint file to load (or None).
+    `presets`: the values each `--preset` name stands for (the DQN family's configurations)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if presets:
         argv = _with_preset(cls, argv, presets)
@@ -39,15 +35,12 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
             found = (str(run_dir), str(ckpt) if ckpt else None, checkpoint.saved_args(ckpt))
         except (OSError, ValueError) as e:
             error = str(e)
-    error = dist.agree(error)
-    if error:
+    if error := dist.agree(error):
         dist.fail(error)
     run_dir, ckpt, saved = dist.broadcast_object(found, world)
     if saved:
-        known = set(cls.__dataclass_fields__)
-        args = tyro.cli(cls, args=argv, default=cls(**{**{k: v for k, v in saved.items()
-                                                          if k in known},
-                                                       "resume": args.resume}))
+        known = {k: v for k, v in saved.items() if k in cls.__dataclass_fields__}
+        args = tyro.cli(cls, args=argv, default=cls(**{**known, "resume": args.resume}))
     args.run_dir, args.resume = run_dir, ckpt
     done = checkpoint.step_of(Path(ckpt)) if ckpt else None
     if done is not None and done >= args.total_timesteps:  # nothing to train: leave the run as it is
@@ -67,13 +60,10 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
     for name in ("total_timesteps", "num_envs", "num_steps"):
         if getattr(args, name, 1) <= 0:
             dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.checkpoint_interval < 0:
-        dist.fail(f"--checkpoint-interval must be >= 0, got {args.checkpoint_interval}")
-    if args.keep_checkpoints < 0:
-        dist.fail(f"--keep-checkpoints must be >= 0, got {args.keep_checkpoints}")
-    if args.collective_timeout <= 0:
-        dist.fail(f"--collective-timeout must be positive, got {args.collective_timeout}")
-    for name in ("eval_envs", "eval_max_steps"):
+    for name in ("checkpoint_interval", "keep_checkpoints"):
+        if getattr(args, name) < 0:
+            dist.fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("collective_timeout", "eval_envs", "eval_max_steps"):
         if getattr(args, name) <= 0:
             dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.eval_interval < 0 or args.eval_episodes < 0:

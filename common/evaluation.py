@@ -3,9 +3,8 @@
 Protocol (Machado et al. 2018, "Revisiting the ALE", Sec. 5; the DQN papers' 5-minute cap):
 - Scores are true game scores: all lives, raw rewards (common/envs.py), episodic lives off.
 - A game is cut at `--eval-max-steps` steps (4,500 = 18,000 frames) and counts with its score so
-  far. Dropping cut games, or keeping the first games to finish, under-counts long games, which
-  are usually the high-scoring ones; a strong agent whose games all last past the cap would report
-  nothing at all.
+  far. Dropping cut games, or keeping the first to finish, under-counts long games, usually the
+  high-scoring ones; a strong agent whose games all outlast the cap would report nothing at all.
 - Each evaluation environment plays its share of the `--eval-episodes` games in order (env j of n
   plays games j, j + n, ...), so which games count is fixed before any is played.
 - Fresh, repeatable seeds for every evaluation (from `--seed` and the global step), so an
@@ -33,8 +32,8 @@ def make_envs(args) -> envs.Envs | None:
 @torch.no_grad()
 def play(policy, env: envs.Envs, episodes: int, seeds: np.ndarray,
          device: torch.device) -> tuple[list[float], list[int]]:
-    """Play `episodes` whole games, env j taking games j, j + n, ...; returns (returns, lengths)
-    in game order. policy(obs uint8 [n, 4, 84, 84] on device) -> actions [n]."""
+    """Play `episodes` whole games (env j: games j, j + n, ...); (returns, lengths) in game order.
+    policy(obs uint8 [n, 4, 84, 84] on device) -> actions [n]."""
     n = env.num_envs
     quota = [episodes // n + (j < episodes % n) for j in range(n)]
     games: list[list[tuple[float, int]]] = [[] for _ in range(n)]

@@ -1,12 +1,11 @@
 """Epsilon-greedy exploration for the DQN family (dqn_multigpu.py, cat_dqn.py).
 
-Schedules (--eps-schedule), both functions of the global step only, so a resume (on any number
-of ranks) continues them exactly:
+Schedules (--eps-schedule) are functions of the global step only, so a resume (on any number of
+ranks) continues them exactly:
 - `linear`: --eps-start until --learning-starts, then linearly to --eps-end over
-  --eps-decay-steps, then constant. The decay starts after the warm-up, as in DeepMind's DQN code
-  and Dopamine (`linearly_decaying_epsilon(decay_period, step, warmup_steps, epsilon)`): decaying
-  from step 0 would spend part of the schedule before the first update (dqn-512 would be at 0.82
-  at its first update, eps-rainbow-512 at 0.68).
+  --eps-decay-steps. The decay starts after the warm-up, as in DeepMind's DQN code and Dopamine
+  (`linearly_decaying_epsilon(decay_period, step, warmup_steps, epsilon)`); from step 0 it would
+  spend part of the schedule before the first update (dqn-512 at 0.82, eps-rainbow-512 at 0.68).
 - `apex`: environment i of all N (i = rank x num_envs + b) keeps the fixed epsilon
   0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X), from 0.4 down to 0.4^8 = 6.6e-4.
 """
@@ -34,10 +33,9 @@ def epsilon_greedy(q: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
 
 
 class GroupPolicy:
-    """The sampler's policy: epsilon-greedy on q_fn(obs) [n, A], one epsilon per environment
-    column. The alternating sampler asks for group 0, 1, 0, 1, ... (common/sampler.py), so the
-    call count tells which columns a batch of observations belongs to; the number of groups is
-    read from the sizes (all columns / columns per call), so one policy serves both samplers."""
+    """The sampler's policy: epsilon-greedy on q_fn(obs) [n, A], one epsilon per column. The
+    alternating sampler asks for group 0, 1, 0, 1, ..., so the call count tells a batch's columns;
+    the number of groups is all columns / columns per call, so one policy serves both samplers."""
 
     def __init__(self, q_fn):
         self.q_fn, self.calls, self.eps = q_fn, 0, None

@@ -46,17 +46,15 @@ class Logger:
         if world.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resumed run hides what an interrupted attempt logged after its checkpoint.
-            self.writer = SummaryWriter(str(run_dir),
-                                        purge_step=start_step + 1 if state else None)
+            self.writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if state else None)
             if state is None:
                 table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
                 self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
             self._plan(global_batch)
 
     def _plan(self, global_batch: int) -> None:
-        """Say at the start where the run goes and what it will really take: the budget is
-        rounded up to whole iterations of the global batch (all ranks' steps per iteration)."""
+        """Say where the run goes and what it really takes: the budget rounded up to whole
+        iterations of the global batch (all ranks' steps per iteration)."""
         total, left = self.args.total_timesteps, self.args.total_timesteps - self.start_step
         print(f"run directory: {self.run_dir}", flush=True)
         if global_batch > 0 and left > 0:
@@ -69,8 +67,7 @@ class Logger:
 
     def state(self) -> dict:
         """What a checkpoint keeps so that summary.json counts the episodes before a resume."""
-        return {"episodes": self.episodes, "returns": list(self.returns),
-                "restarts": self.restarts}
+        return {"episodes": self.episodes, "returns": list(self.returns), "restarts": self.restarts}
 
     def log(self, global_step: int, scalars: dict[str, float], episodes: list[tuple[float, int]],
             phases: dict[str, float], status: str = "") -> None:
@@ -96,7 +93,7 @@ class Logger:
         self._progress(global_step, sps, status)
 
     def eval(self, global_step: int, result: dict) -> dict:
-        """Record an evaluation (common/evaluation.py) at `global_step`; returns it with its step."""
+        """Record an evaluation (common/evaluation.py) at `global_step`; return it with its step."""
         result = {**result, "global_step": global_step}
         if self.writer is not None and result["episodes"]:
             self.writer.add_scalar("charts/eval_return", result["mean_return"], global_step)
@@ -118,9 +115,8 @@ class Logger:
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def summary(self, global_step: int, evaluation: dict | None = None, **extra) -> dict:
-        """Write summary.json (rank 0). SPS counts this process's steps only (not a resumed past).
-        `evaluation`: the last one (the final evaluation at the end of a run). `device` is where
-        the run ran; `args.cuda` only says whether a GPU was asked for."""
+        """Write summary.json (rank 0); SPS counts this process's steps only (not a resumed past).
+        `evaluation`: the last one (the final evaluation at the end of a run)."""
         if not self.world.is_main:
             return {}
         wall = time.time() - self.start_time
