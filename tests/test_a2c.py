@@ -124,9 +124,10 @@ def test_a2c_learns_catch(tmp_path):
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run = tmp_path / "run"
     common = ["--env-id", "Pong-v5", "--num-envs", "4", "--alternate",
-              "--checkpoint-interval", "200", "--run-dir", str(run)]
+              "--checkpoint-interval", "200", "--eval-max-steps", "100", "--run-dir", str(run)]
     run_script("a2c_multigpu", *common, "--total-timesteps", "400", nproc=2)
     s = read_summary(run)  # 2 ranks x 4 envs x 5 steps = 40 steps per iteration
+    assert s["eval_lengths"] == [100] * 16  # 8 games per rank, cut at 100 steps and counted
     assert s["global_step"] == 400 and s["world_size"] == 2 and s["device"] == "cpu"
     assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "eval"}
     assert s["phase_seconds"]["comm"] > 0 and s["phase_seconds"]["learn"] > 0

@@ -226,9 +226,11 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     shm_before = _shm()
     run = tmp_path / "run"
     common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
-              "--num-minibatches", "2", "--update-epochs", "1", "--run-dir", str(run)]
+              "--num-minibatches", "2", "--update-epochs", "1", "--eval-max-steps", "100",
+              "--run-dir", str(run)]
     run_script("appo_async", *common, "--total-timesteps", "256", nproc=2)
     s = read_summary(run)
+    assert s["eval_lengths"] == [100] * 16  # 8 games per rank, cut at 100 steps and counted
     assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
     assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "sampler_wait",
                                        "learner_wait", "eval"}

@@ -55,10 +55,14 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
 
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run = tmp_path / "run"
+    # Final evaluations of 8 games per rank, cut at 100 steps (a whole Pong game would take
+    # ~900): the cut games are counted, over both ranks.
     common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
-              "--num-minibatches", "2", "--update-epochs", "1", "--run-dir", str(run)]
+              "--num-minibatches", "2", "--update-epochs", "1", "--eval-max-steps", "100",
+              "--run-dir", str(run)]
     run_script("ppo_multigpu", *common, "--total-timesteps", "256", nproc=2)
     s = read_summary(run)
+    assert s["eval_lengths"] == [100] * 16 and s["eval_step"] == 256
     assert s["global_step"] == 256 and s["world_size"] == 2 and s["device"] == "cpu"
     assert set(s["phase_seconds"]) == {"env", "inference", "learn", "comm", "eval"}
     assert s["phase_seconds"]["comm"] > 0
