@@ -69,9 +69,8 @@ def env_seeds(seed: int, rank: int, num_envs: int, offset: int = 0) -> np.ndarra
 
 class Envs:
     """`num_envs` environments stepped together: `reset()`, then `send(actions)` / `recv()`. ALE's
-    `send` returns at once (its C++ threads simulate meanwhile): that lets the alternating sampler
-    infer for one group while the other simulates. Finished games: `self.episodes`, as
-    `(true_return, length)`."""
+    `send` returns at once (its C++ threads simulate meanwhile), so the alternating sampler infers
+    for one group while another simulates. `self.episodes`: finished games (true return, length)."""
 
     def __init__(self, env_id: str, num_envs: int, *, episodic_life: bool = True,
                  sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
@@ -140,7 +139,7 @@ class Envs:
             obs, reward, terminated, truncated, info = self.venv.recv()
             lives = info["lives"].astype(np.int64)
             # A life loss leaves the game running with one life fewer; a game over resets it to a
-            # full set of lives (or 0 == 0 for games without lives). See the module docstring.
+            # full set of lives (or 0 == 0 for games without lives).
             game_over = truncated | (terminated & (lives >= self._lives))
             if self.fire is not None:
                 self._fire_next = (lives < self._lives) & ~game_over
