@@ -124,3 +124,16 @@ def assert_stopped_with_checkpoint(run_dir: Path, out: str) -> int:
     step = int(ckpts[0].stem.split("_")[1])
     assert read_summary(run_dir)["global_step"] == step > 0
     return step
+
+
+# The longest tests first: pytest-xdist (`--dist loadgroup`: a module's grouped tests on one
+# worker, first, then one test at a time) hands tests out in collection order, so a long test
+# collected last would run alone at the end while the other worker idles: the suite's wall time
+# would be its tail, not its total over the workers. Order only: every test still runs.
+LONGEST = ("test_gpu_check.py", "learns_catch", "torchrun_two_ranks", "hung_worker",
+           "test_scaling_table", "test_throughput_parts")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: next((i for i, name in enumerate(LONGEST)
+                                      if name in item.nodeid), len(LONGEST)))

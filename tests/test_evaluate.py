@@ -21,6 +21,9 @@ from tests.conftest import CHILD_ENV, ROOT, run_script
 
 from benchmarks import evaluate, plot  # noqa: E402
 
+# One worker takes the whole module (`--dist loadgroup`), so no other waits on the lock.
+pytestmark = pytest.mark.xdist_group("evaluate")
+
 CATCH = "tests.catch_env:Catch-v0"
 TINY = ("--env-id", CATCH, "--num-envs", "2", "--total-timesteps", "128", "--eval-episodes", "0")
 ONE_PASS = ("--update-epochs", "1", "--num-minibatches", "1")  # the weights need not learn

@@ -11,6 +11,9 @@ import pytest
 from benchmarks import gpu_check, outputs
 from tests.conftest import CHILD_ENV, ROOT
 
+# One worker takes the whole module (`--dist loadgroup`): the quick run is its module fixture.
+pytestmark = pytest.mark.xdist_group("gpu_check")
+
 ROW_FIELDS = {"measurement", "steps_per_s", "vs_ceiling", "ratio", "phase_share",
               "gpu_memory_bytes", "notes", "key", "value"}
 STEP_FIELDS = {"name", "title", "status", "timeout_s", "seconds", "cpu_seconds", "returncode",
