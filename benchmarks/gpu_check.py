@@ -16,9 +16,10 @@ Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling
              sampler with a trivial policy on the same envs, in interleaved blocks: the ceiling
              every other rate is compared with (benchmarks/throughput.py's ppo part, raw only)
   sampler    the sampler with PPO's network, plain and alternating, and PPO's learner
-  ppo, a2c   end to end, plain and --alternate, on the ceiling's envs
+  ppo, a2c   end to end, plain and --alternate, on the ceiling's envs (GPU: PPO with --compile)
   dqn        sampling 512 from a 1M replay on the GPU against one DQN-512 update, the learners,
-             and dqn_multigpu.py end to end with --replay-device auto --prioritized
+             and dqn_multigpu.py end to end with --replay-device auto --prioritized (GPU: also
+             --replay-device cpu, the pinned one-copy upload and priorities' way back)
   catdqn     C51's projection at 2048 against Algorithm 1, its learners, cat_dqn.py end to end
   appo       APPO's sampler process alone, its learner with central Adam alone, APPO end to end
              beside PPO (throughput.py's appo part, unpinned: the GPU against the cores)
@@ -277,7 +278,13 @@ def pair(c, script: str, flags: list[str], label: str, key: str) -> list[dict]:
 
 def step_ppo(c) -> list[dict]:
     flags = ["--num-envs", str(c.s.envs), "--num-steps", str(c.s.num_steps), *c.s.ppo_flags]
-    return pair(c, "ppo_multigpu", flags, f"PPO, {c.s.envs} envs", "ppo")
+    rows = pair(c, "ppo_multigpu", flags, f"PPO, {c.s.envs} envs", "ppo")
+    if c.cuda:  # CUDA graphs for the launch-bound policy step: does --compile pay on a GPU?
+        rows.append(e2e(c, "ppo_multigpu", [*flags, "--compile"], "ppo_compile",
+                        f"PPO, {c.s.envs} envs, end to end, plain, --compile", key="ppo_compile"))
+        ratio = rows[-1]["steps_per_s"] / rows[0]["steps_per_s"]
+        rows[-1]["notes"] = f"--compile/plain {ratio:.2f} (compilation before the timing)"
+    return rows
 
 
 def step_a2c(c) -> list[dict]:
@@ -300,10 +307,13 @@ def step_dqn(c) -> list[dict]:
                  value=res[f"learner_{p}"]["updates_per_s"],
                  notes=f"{res[f'learner_{p}']['updates_per_s']:,.2f} updates/s")
              for p in ("dqn-512", "eps-rainbow-512")]
-    flags = [*c.s.q_flags, "--batch-size", str(c.s.batch), "--replay-device", "auto",
-             "--prioritized"]
-    return rows + [e2e(c, "dqn_multigpu", flags, "dqn_e2e",
-                       "DQN end to end, replay on the device, prioritized")]
+    flags = [*c.s.q_flags, "--batch-size", str(c.s.batch), "--prioritized"]
+    rows.append(e2e(c, "dqn_multigpu", [*flags, "--replay-device", "auto"], "dqn_e2e",
+                    "DQN end to end, replay on the device, prioritized"))
+    if c.cuda:  # a host replay: batches go up in one pinned copy, priorities come back pinned
+        rows.append(e2e(c, "dqn_multigpu", [*flags, "--replay-device", "cpu"], "dqn_e2e_host",
+                        "DQN end to end, replay in host memory, prioritized"))
+    return rows
 
 
 def step_catdqn(c) -> list[dict]:
@@ -388,14 +398,14 @@ def step_two_ranks(c) -> list[dict]:
 # name: (what it runs, its timeout on the GPU in seconds, the function); the timeouts add up to
 # 480 s (tests/test_gpu_check.py checks it), so the whole check fits in a 10-minute command.
 STEPS = {
-    "ale": ("raw ALE ceiling and the trivial sampler", 30, step_ale),
-    "sampler": ("sampler with PPO's network, PPO's learner", 40, step_sampler),
-    "ppo": ("PPO end to end, plain and alternating", 60, step_ppo),
-    "a2c": ("A2C end to end, plain and alternating", 60, step_a2c),
-    "dqn": ("DQN replay sampling, learners, end to end", 65, step_dqn),
-    "catdqn": ("C51 projection, learners, end to end", 55, step_catdqn),
-    "appo": ("APPO sampler process, central Adam, end to end", 95, step_appo),
-    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 40, step_resume),
+    "ale": ("raw ALE ceiling and the trivial sampler", 25, step_ale),
+    "sampler": ("sampler with PPO's network, PPO's learner", 35, step_sampler),
+    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 80, step_ppo),
+    "a2c": ("A2C end to end, plain and alternating", 55, step_a2c),
+    "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay)", 75, step_dqn),
+    "catdqn": ("C51 projection, learners, end to end", 50, step_catdqn),
+    "appo": ("APPO sampler process, central Adam, end to end", 90, step_appo),
+    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 35, step_resume),
     "two_ranks": ("2 ranks sharing the GPU over gloo", 35, step_two_ranks),
 }
 
