@@ -47,7 +47,6 @@ unknown script, a video path that exists) end with one line on stderr and exit c
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import statistics
@@ -65,6 +64,7 @@ import tyro  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores  # noqa: E402
+from benchmarks.throughput_parts.measure import load_algo  # noqa: E402
 from common import checkpoint, envs, evaluation  # noqa: E402
 from common.exploration import epsilon_greedy  # noqa: E402
 
@@ -135,15 +135,6 @@ def read_checkpoint(ckpt: Path) -> dict:
         raise UserError(f"checkpoint {ckpt} was written by {state['script']!r}, which "
                         f"evaluate.py does not know (known: {', '.join(SCRIPTS)})")
     return state
-
-
-def load_script(name: str):
-    """algos/<name>.py as a module (the scripts are not a package: users launch them by path)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "algos" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_args(module, ckpt: Path, state: dict):
@@ -324,7 +315,7 @@ def evaluate(args: Args) -> dict:
     ckpt = find_checkpoint(Path(args.path))
     state = read_checkpoint(ckpt)
     script, kind = state["script"], SCRIPTS[state["script"]]
-    module = load_script(script)
+    module = load_algo(script)
     run = run_args(module, ckpt, state)
     if kind == "pg" and args.epsilon is not None:
         raise UserError(f"--epsilon is the DQN family's; {script} samples from its policy "
