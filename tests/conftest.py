@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,24 +21,36 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 sys.path.insert(0, str(ROOT))
 from benchmarks.throughput_parts.measure import load_algo  # noqa: E402,F401  # one copy, cached
+from tests import warm  # noqa: E402
+
+_warm = threading.local()  # .server: this thread's warm server, started on first use
 
 
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
-    """Run algos/<script>.py with plain python (nproc=1) or torchrun (nproc>1), on the CPU."""
+    """Run algos/<script>.py as plain python (nproc=1: forked from this test process's warm
+    server, tests/warm.py) or under torchrun (nproc>1), on the CPU."""
     env = {**os.environ, **CHILD_ENV}
     path = str(ROOT / "algos" / f"{script}.py")
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", path]
+    if nproc == 1:
+        proc = run_python(path, "--no-cuda", *args, timeout=timeout)
     else:
-        cmd = [sys.executable, path]
-    proc = subprocess.run(cmd + ["--no-cuda", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", path, "--no-cuda", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_python(path: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python path ARGS` in the repository root, forked from this test process's warm server
+    (tests/warm.py: the imports are done once), with CHILD_ENV."""
+    if not hasattr(_warm, "server"):  # a server answers one request at a time: one per thread
+        _warm.server = warm.Server({**os.environ, **CHILD_ENV})
+    return _warm.server.run(str(path), list(args), str(ROOT), timeout)
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -9,7 +9,6 @@ throughput entry point's ppo, dqn and catdqn parts at toy sizes.
 import ast
 import csv
 import json
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import CHILD_ENV, ROOT
+from tests.conftest import ROOT, run_python
 
 from benchmarks import atari_scores, experiments, outputs, plot, registry, scaling  # noqa: E402
 from benchmarks import throughput  # noqa: E402
@@ -26,9 +25,7 @@ CATCH = "tests.catch_env:Catch-v0"
 
 
 def bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, **CHILD_ENV}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return run_python(ROOT / "benchmarks" / script, *args, timeout=timeout)
 
 
 def last_logged_step(run_dir) -> int:

@@ -9,7 +9,6 @@ into the same runs (eval.json, eval-2.json...) and check only what they wrote th
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from tests.conftest import CHILD_ENV, ROOT, run_script
+from tests.conftest import ROOT, run_python, run_script
 
 from benchmarks import evaluate, plot  # noqa: E402
 
@@ -97,10 +96,9 @@ def test_video_of_the_first_game(runs, tmp_path):
     import imageio_ffmpeg
 
     video = tmp_path / "breakout.mp4"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "evaluate.py"), str(runs["breakout"]),
-           "--episodes", "1", "--video", str(video), "--no-cuda"]
-    env = {**os.environ, **CHILD_ENV}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [ROOT / "benchmarks" / "evaluate.py", str(runs["breakout"]), "--episodes", "1",
+           "--video", str(video), "--no-cuda"]
+    proc = run_python(*cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fell out of step" not in proc.stderr  # the recording played the evaluated game
     path = next(line[len("wrote "):] for line in proc.stdout.splitlines()
@@ -116,7 +114,7 @@ def test_video_of_the_first_game(runs, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p != video]  # no temporary file left
 
     # a real process: one line, no traceback
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    again = run_python(*cmd)
     assert again.returncode == 2 and again.stderr.strip() == f"error: {video} exists; choose " \
         "another --video name"
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks import gpu_check, outputs
-from tests.conftest import CHILD_ENV, ROOT
+from tests.conftest import CHILD_ENV, ROOT, run_python
 
 # One worker takes the whole module (`--dist loadgroup`): the quick run is its module fixture.
 pytestmark = pytest.mark.xdist_group("gpu_check")
@@ -21,6 +21,8 @@ STEP_FIELDS = {"name", "title", "status", "timeout_s", "seconds", "cpu_seconds",
 
 
 def gpu_check_run(*args: str, env: dict | None = None, timeout: float = 1200):
+    if env is None:
+        return run_python(ROOT / "benchmarks" / "gpu_check.py", *args, timeout=timeout)
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args],
                           cwd=ROOT, env={**os.environ, **CHILD_ENV, **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
