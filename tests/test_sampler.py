@@ -1,6 +1,5 @@
 """The batched-inference sampler: episode boundaries, truncation bootstrap, alternating == plain."""
 
-import numpy as np
 import pytest
 import torch
 
