@@ -3,7 +3,6 @@ GPU a rank takes, the refusal of layouts NCCL would reject, experiment slots fro
 CUDA_VISIBLE_DEVICES, phase timers that wait for the device, and CUDA RNG state only for runs on
 a GPU. benchmarks/gpu_check.py exercises the real thing on a lent GPU."""
 
-
 import pytest
 import torch
 
