@@ -10,7 +10,7 @@ APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel
    policy's stored log-probabilities, so clipping bounds the staleness, and rollouts more than
    --max-policy-lag versions old are dropped.
 2. Across ranks: central parameters and Adam state in the machine's shared memory
-   (common/central_adam.py). After each minibatch gradient a rank applies Adam to the central
+   (common/central_optim.py). After each minibatch gradient a rank applies Adam to the central
    copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then
    pulls the new parameters. There is no all-reduce: no rank waits for another's gradient.
 Ranks meet once per rollout, for logging, signals and checkpoints (as every accelrl script does),
@@ -41,9 +41,9 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_adam, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
-from common.central_adam import CentralAdam  # noqa: E402
+from common.central_optim import CentralOptimizer  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Upload  # noqa: E402
 
@@ -203,8 +203,8 @@ def gae(rewards, values, terminated, truncated, final_values, next_value, gamma,
     return advantages
 
 
-def appo_update(agent: Agent, central: CentralAdam, batch: dict[str, torch.Tensor], args: Args,
-                lr: float) -> tuple[dict[str, float], float]:
+def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.Tensor],
+                args: Args, lr: float) -> tuple[dict[str, float], float]:
     """PPO's clipped-surrogate epochs over this rank's flat batch, each minibatch gradient applied
     to the central parameters; returns (stats, seconds waiting for chunks other ranks held).
 
@@ -315,7 +315,7 @@ def main() -> None:
     # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
     stop = checkpoint.StopRequest()
     # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
-    central = central_adam.shared(partial(CentralAdam, agent.parameters(), args.num_chunks,
+    central = central_optim.shared(partial(CentralOptimizer, agent.parameters(), args.num_chunks,
                                           eps=1e-5), world, state and state["optimizer"])
     central.pull()
     global_batch = batch_per_rank * world.world_size

@@ -1,4 +1,4 @@
-"""appo_async.py: central chunked-lock Adam, PPO's update, learning, torchrun + resume, faults."""
+"""appo_async.py: the central chunked-lock optimizer (Adam; RMSProp for A3C), PPO's update, learning, torchrun + resume, faults."""
 
 import os
 import signal
@@ -9,10 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from common.central_adam import CentralAdam
+from common.central_optim import CentralOptimizer
 from tests.conftest import (ROOT, assert_stopped_with_checkpoint, expect_error, load_algo,
                             read_summary, run_script, scalar_tags, start_training)
 
@@ -29,10 +30,17 @@ def _grad(rank, k):
     return [torch.randn(n, generator=g) for n in SIZES]
 
 
-def _worker(rank, name, steps, out):
+RULES = {"adam": (dict(eps=1e-5), lambda p: torch.optim.Adam([p], lr=1e-2, eps=1e-5,
+                                                             foreach=False), "exp_avg"),
+         # A3C's: a2c_multigpu.py's TF-like epsilon (sqrt(1e-5) outside the root)
+         "rmsprop": (dict(eps=1e-5 ** 0.5, alpha=0.99), lambda p: torch.optim.RMSprop(
+             [p], lr=1e-2, alpha=0.99, eps=1e-5 ** 0.5, foreach=False), "square_avg")}
+
+
+def _worker(rank, name, steps, out, rule):
     torch.set_num_threads(1)
     params = _params()
-    central = CentralAdam(params, 3, eps=1e-5, name=name)
+    central = CentralOptimizer(params, 3, name=name, rule=rule, **RULES[rule][0])
     orders = []
     for k in range(steps):
         for p, g in zip(params, _grad(rank, k)):
@@ -40,19 +48,23 @@ def _worker(rank, name, steps, out):
         central.step(lr=1e-2 * (1 + k % 3))
         orders.append(central.last_order)
         central.pull()
+        central.add_steps(5)
     out.put((rank, orders))
     central.close()
 
 
-def test_central_adam_from_two_processes_loses_no_update():
-    """Each chunk's final state equals torch's Adam applying, one after the other, the gradients
-    that chunk received, in the order it received them; every gradient reached every chunk."""
+@pytest.mark.parametrize("rule", RULES)
+def test_central_optimizer_from_two_processes_loses_no_update(rule):
+    """Each chunk's final state equals torch's Adam (APPO's) or RMSprop (A3C's) applying, one
+    after the other, the gradients that chunk received, in the order it received them; every
+    gradient reached every chunk, and the global step counts every rank's steps."""
     params = _params()
-    central = CentralAdam(params, 3, eps=1e-5)
+    central = CentralOptimizer(params, 3, rule=rule, global_step=7, **RULES[rule][0])
     try:
         ctx, steps = mp.get_context("spawn"), 12
         out = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, central.name, steps, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=_worker, args=(r, central.name, steps, out, rule))
+                 for r in (0, 1)]
         for p in procs:
             p.start()
         results = dict(out.get(timeout=300) for _ in procs)
@@ -62,6 +74,7 @@ def test_central_adam_from_two_processes_loses_no_update():
     finally:
         central.unlink()
     assert central.steps.tolist() == [2 * steps] * 3  # no lost update
+    assert central.add_steps(0) == 7 + 2 * steps * 5
     flat0 = torch.cat([p.detach() for p in _params()])
     grads = {(r, k): torch.cat(_grad(r, k)) for r in (0, 1) for k in range(steps)}
     bounds = torch.tensor([0, *central.sizes]).cumsum(0).tolist()
@@ -72,16 +85,22 @@ def test_central_adam_from_two_processes_loses_no_update():
         assert [t for t, _, _ in taken] == list(range(1, 2 * steps + 1))
         lo, hi = bounds[c], bounds[c + 1]
         ref = flat0[lo:hi].clone().requires_grad_()
-        opt = torch.optim.Adam([ref], lr=1e-2, eps=1e-5, foreach=False)
+        opt = RULES[rule][1](ref)
         for _, r, k in taken:
             opt.param_groups[0]["lr"] = 1e-2 * (1 + k % 3)
             ref.grad = grads[r, k][lo:hi]
             opt.step()
         torch.testing.assert_close(central.chunks[c][0], ref.detach(), rtol=0, atol=0)
-        torch.testing.assert_close(central.chunks[c][1], opt.state[ref]["exp_avg"], rtol=0, atol=0)
-    # whichever chunk is free first: with chunk 0 held elsewhere, a step takes 1 and 2 first
+        torch.testing.assert_close(central.chunks[c][1], opt.state[ref][RULES[rule][2]],
+                                   rtol=0, atol=0)
     assert not any(p.exists() for p in central.paths)  # unlinked: nothing left in /dev/shm
-    c2 = CentralAdam(_params(), 3)
+    saved = central.state_dict()
+    assert set(saved) == {"step", *dict(adam=["exp_avg", "exp_avg_sq"],
+                                        rmsprop=["square_avg"])[rule]}
+    if rule == "rmsprop":
+        return
+    # whichever chunk is free first: with chunk 0 held elsewhere, a step takes 1 and 2 first
+    c2 = CentralOptimizer(_params(), 3)
     try:
         import fcntl
         holder = os.open(c2.paths[0], os.O_RDWR)
@@ -183,7 +202,7 @@ def test_gae_and_update_equal_ppo():
             ppo.ppo_update(agent, torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5), batch,
                            args)
         else:
-            central = CentralAdam(agent.parameters(), 1, eps=1e-5)
+            central = CentralOptimizer(agent.parameters(), 1, eps=1e-5)
             central.unlink()
             stats, _ = appo.appo_update(agent, central, batch, appo.Args(update_epochs=2,
                                                                          num_minibatches=2), 1e-3)

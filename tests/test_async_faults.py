@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from common import central_adam, checkpoint, dist
+from common import central_optim, checkpoint, dist
 from common.async_sampler import AsyncSampler, SamplerDied
 from tests.conftest import run_two_ranks
 
@@ -45,8 +45,8 @@ def _set_up_then_lose_a_rank(rank, folder):
     # As in appo_async.py: SIGTERM (what torchrun, and mp.spawn here, send the other ranks when
     # one fails) only sets a flag, so this rank reaches the failing collective and its clean-up.
     checkpoint.StopRequest()
-    make = partial(central_adam.CentralAdam, nn.Linear(3, 3).parameters(), 2, folder=folder)
-    central_adam.shared(make, world)  # its collective fails: the rank leaves through os._exit
+    make = partial(central_optim.CentralOptimizer, nn.Linear(3, 3).parameters(), 2, folder=folder)
+    central_optim.shared(make, world)  # its collective fails: the rank leaves through os._exit
 
 
 def test_a_rank_dying_while_the_central_state_is_set_up_leaves_no_file(tmp_path):
@@ -62,7 +62,7 @@ def test_files_of_a_creator_that_was_killed_are_removed_by_the_next(tmp_path):
     live = tmp_path / f"accelrl-{os.getpid()}-4567ef01.c0"
     stale.write_bytes(b"x")
     live.write_bytes(b"x")
-    central = central_adam.CentralAdam(nn.Linear(3, 3).parameters(), 2, folder=tmp_path)
+    central = central_optim.CentralOptimizer(nn.Linear(3, 3).parameters(), 2, folder=tmp_path)
     try:
         assert not stale.exists() and live.exists()
         assert central.name.startswith(f"accelrl-{os.getpid()}-")

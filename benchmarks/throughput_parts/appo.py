@@ -104,13 +104,13 @@ def sampling_alone(appo, a, device: torch.device, num_actions: int) -> dict:
 
 def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:
     """Environment steps per second the learner consumes: APPO's update on a random rollout."""
-    from common.central_adam import CentralAdam
+    from common.central_optim import CentralOptimizer
 
     pargs = appo.Args(num_envs=a.num_envs, num_steps=a.num_steps)
     n = a.num_envs * a.num_steps
     torch.manual_seed(a.seed)
     agent = appo.Agent(num_actions).to(device)
-    central = CentralAdam(agent.parameters(), pargs.num_chunks, eps=1e-5)
+    central = CentralOptimizer(agent.parameters(), pargs.num_chunks, eps=1e-5)
     central.unlink()
     batch = random_rollout(n, num_actions, device)
     r = timed(lambda: appo.appo_update(agent, central, batch, pargs, 1e-4), n, a.seconds, device)

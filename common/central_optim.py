@@ -1,4 +1,4 @@
-"""Central parameters and Adam state in the machine's shared memory, updated asynchronously.
+"""Central parameters and optimizer state in the machine's shared memory, updated asynchronously.
 
 The paper's asynchronous multi-GPU optimisation (Stooke & Abbeel 2018, Sec. 3.2, used there by
 A3C, APPO and asynchronous DQN): one copy of the parameters and of the optimizer's statistics
@@ -6,16 +6,19 @@ lives in CPU memory shared by every process on the machine. A process with a gra
 the update rule to that copy chunk by chunk, each chunk under its own lock, taking whichever
 chunk is free first, then copies the new parameters into its own model. No process waits for
 another to finish a step, only, briefly, when every chunk it still has to update is being
-written. Adam is elementwise, so each chunk's update is complete on its own, and a chunk's step
-count (for the bias correction) counts the gradients it has taken.
+written. Both rules are elementwise, so each chunk's update is complete on its own: Adam (APPO,
+asynchronous DQN; a chunk's step count, for the bias correction, counts the gradients it has
+taken) and RMSProp (A3C: the A3C paper's shared RMSProp statistics, the rule a2c_multigpu.py's
+torch RMSprop runs). The machine's global step is counted here too, for schedules.
 
 Named files, not torch.multiprocessing: torchrun's ranks are separate programs, not children of
 one parent, so they find the memory by name. Chunk c is `<name>.c<c>` in /dev/shm (RAM), float32
-[3, n_c]: parameters, Adam's first and second moments; `<name>.steps` is int64 [num_chunks]; all
-mapped with `torch.from_file(shared=True)`. Locks are `fcntl.flock` on the chunk's file (LOCK_NB
-to try one without waiting); the kernel drops a lock when its holder dies, so a killed rank never
-leaves a chunk locked. Names carry the creator's pid: a creator killed outright (SIGKILL) leaves
-its files, which the next creator removes.
+[3, n_c] for Adam (parameters, first and second moments), [2, n_c] for RMSProp (parameters, mean
+square); `<name>.steps` is int64 [num_chunks + 1], the chunks' step counts then the global step
+(added to under that file's lock); all mapped with `torch.from_file(shared=True)`. Locks are
+`fcntl.flock` on the chunk's file (LOCK_NB to try one without waiting); the kernel drops a lock
+when its holder dies, so a killed rank never leaves a chunk locked. Names carry the creator's
+pid: a creator killed outright (SIGKILL) leaves its files, which the next creator removes.
 """
 
 from __future__ import annotations
@@ -37,44 +40,51 @@ from common.sampler import Upload
 FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
-class CentralAdam:
-    """Adam on central parameters shared by one machine's processes. The creator (name=None)
-    writes the files from `params` (and a checkpoint's `state`); others attach by its `name`.
-    `step(lr)` applies `params`' gradients; `pull()` copies the central parameters back."""
+STATS = {"adam": ("exp_avg", "exp_avg_sq"), "rmsprop": ("square_avg",)}  # torch's state names
+
+
+class CentralOptimizer:
+    """Adam or RMSProp (`rule`) on central parameters shared by one machine's processes. The
+    creator (name=None) writes the files from `params` (and a checkpoint's `state`); others attach
+    by its `name`. `step(lr)` applies `params`' gradients; `pull()` copies the central parameters
+    back; `add_steps(n)` counts n environment steps into the global step and returns it."""
 
     def __init__(self, params, num_chunks: int = 3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 name: str | None = None, state: dict | None = None, folder: Path = FOLDER):
+                 name: str | None = None, state: dict | None = None, folder: Path = FOLDER,
+                 rule: str = "adam", alpha: float = 0.99, global_step: int = 0):
         self.params = list(params)
         n = sum(p.numel() for p in self.params)
         self.sizes = [len(c) for c in torch.arange(n).tensor_split(num_chunks)]
-        self.betas, self.eps = betas, eps
+        self.betas, self.eps, self.rule, self.alpha = betas, eps, rule, alpha
+        rows = 1 + len(STATS[rule])
         self.name = name or f"accelrl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.paths = [folder / f"{self.name}.c{c}" for c in range(num_chunks)]
         self.steps_path = folder / f"{self.name}.steps"
         if name is None:
-            self._create(state)
-        self.chunks = [torch.from_file(str(p), shared=True, size=3 * k).view(3, k)
-                       for p, k in zip(self.paths, self.sizes)]  # [3, n_c]: param, m, v
-        self.steps = torch.from_file(str(self.steps_path), shared=True, size=num_chunks,
-                                     dtype=torch.int64)
-        self.fds = [os.open(p, os.O_RDWR) for p in self.paths]
+            self._create(state, global_step)
+        self.chunks = [torch.from_file(str(p), shared=True, size=rows * k).view(rows, k)
+                       for p, k in zip(self.paths, self.sizes)]  # [rows, n_c]: param, statistics
+        counts = torch.from_file(str(self.steps_path), shared=True, size=num_chunks + 1,
+                                 dtype=torch.int64)
+        self.steps, self.global_step = counts[:num_chunks], counts[num_chunks:]
+        self.fds = [os.open(p, os.O_RDWR) for p in (*self.paths, self.steps_path)]
         self.last_order: list[tuple[int, int]] = []  # (chunk, its step count) of the last step
         self._upload = Upload(self.params[0].device)
 
-    def _create(self, state: dict | None) -> None:
+    def _create(self, state: dict | None, global_step: int) -> None:
         remove_stale(self.paths[0].parent)
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
-        m = state["exp_avg"].float() if state else torch.zeros_like(flat)
-        v = state["exp_avg_sq"].float() if state else torch.zeros_like(flat)
-        steps = torch.zeros(len(self.sizes), dtype=torch.int64)
+        rows = [flat] + [state[k].float() if state else torch.zeros_like(flat)
+                         for k in STATS[self.rule]]  # a KeyError: another rule's checkpoint
+        steps = torch.zeros(len(self.sizes) + 1, dtype=torch.int64)
+        steps[-1] = global_step
         if state:  # another --num-chunks than the checkpoint's: chunks differ by a step at most
             old = state["step"]
-            steps[:] = old if len(old) == len(steps) else int(old.float().mean().round())
+            steps[:-1] = old if len(old) == len(self.sizes) else int(old.float().mean().round())
         try:
-            for path, p_c, m_c, v_c in zip(self.paths, flat.split(self.sizes),
-                                           m.split(self.sizes), v.split(self.sizes)):
+            for c, path in enumerate(self.paths):
                 with open(path, "xb") as f:  # x: never map someone else's files
-                    f.write(torch.stack([p_c, m_c, v_c]).numpy().tobytes())
+                    f.write(torch.stack([r.split(self.sizes)[c] for r in rows]).numpy().tobytes())
             with open(self.steps_path, "xb") as f:
                 f.write(steps.numpy().tobytes())
         except BaseException:
@@ -93,10 +103,19 @@ class CentralAdam:
         except BlockingIOError:
             return False
 
+    def add_steps(self, n: int) -> int:
+        """Count n more environment steps into the machine's global step; returns the new total."""
+        fcntl.flock(self.fds[-1], fcntl.LOCK_EX)
+        try:
+            self.global_step += n
+            return int(self.global_step)
+        finally:
+            fcntl.flock(self.fds[-1], fcntl.LOCK_UN)
+
     @torch.no_grad()
     def step(self, lr: float) -> float:
-        """Apply Adam to the central copy with `params`' gradients; returns seconds spent waiting
-        for chunks that other processes held."""
+        """Apply the rule to the central copy with `params`' gradients; returns seconds spent
+        waiting for chunks that other processes held."""
         grad = torch.cat([p.grad.reshape(-1) for p in self.params]).float().cpu()
         grads = grad.split(self.sizes)
         pending, waited, self.last_order = list(range(len(self.sizes))), 0.0, []
@@ -107,7 +126,8 @@ class CentralAdam:
                 fcntl.flock(self.fds[c], fcntl.LOCK_EX)
                 waited += time.perf_counter() - t0
             try:
-                self.last_order.append((c, self._adam(c, grads[c], lr)))
+                rule = self._adam if self.rule == "adam" else self._rmsprop
+                self.last_order.append((c, rule(c, grads[c], lr)))
             finally:
                 fcntl.flock(self.fds[c], fcntl.LOCK_UN)
             pending.remove(c)
@@ -125,6 +145,15 @@ class CentralAdam:
         p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
         return t
 
+    def _rmsprop(self, c: int, g: torch.Tensor, lr: float) -> int:
+        """torch.optim.RMSprop's update (not centered, no momentum) on chunk c, under its lock."""
+        p, v = self.chunks[c]
+        t = int(self.steps[c]) + 1
+        self.steps[c] = t
+        v.mul_(self.alpha).addcmul_(g, g, value=1 - self.alpha)
+        p.addcdiv_(g, v.sqrt().add_(self.eps), value=-lr)
+        return t
+
     @torch.no_grad()
     def pull(self) -> None:
         """Copy the central parameters into `params`, without locks: a chunk being written may be
@@ -135,10 +164,9 @@ class CentralAdam:
             p.copy_(src.view_as(p))
 
     def state_dict(self) -> dict:
-        """Adam's statistics for a checkpoint (the parameters are the model's, after pull())."""
-        return {"exp_avg": torch.cat([ch[1] for ch in self.chunks]).clone(),
-                "exp_avg_sq": torch.cat([ch[2] for ch in self.chunks]).clone(),
-                "step": self.steps.clone()}
+        """The rule's statistics for a checkpoint (the parameters are the model's, after pull())."""
+        return {**{k: torch.cat([ch[1 + i] for ch in self.chunks]).clone()
+                   for i, k in enumerate(STATS[self.rule])}, "step": self.steps.clone()}
 
     def close(self) -> None:
         for fd in self.fds:
@@ -158,7 +186,7 @@ def remove_stale(folder: Path = FOLDER) -> None:
                 pass
 
 
-def shared(make, world, state: dict | None = None) -> CentralAdam:
+def shared(make, world, state: dict | None = None) -> CentralOptimizer:
     """The machine's central optimizer, called by all ranks: rank 0 creates it (`make(state=...)`),
     the others attach (`make(name=...)`), and rank 0 unlinks the names once all have attached
     (mappings and locks live on), or, whatever ends the start-up in between (another rank dying,
