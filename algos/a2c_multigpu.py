@@ -26,9 +26,17 @@ the steps of the first several hundred updates (it decays as 0.99^t), which in o
 only delayed learning.
 (Stable-baselines3 documents PyTorch's plain RMSprop as less stable for A2C: RMSpropTFLike.)
 
+A3C (--asynchronous; paper Sec. 3.2, Table 2: 50M steps in 2.4 / 1.3 / 0.65 hours on 2 / 4 / 8
+GPUs). Each rank applies its own clipped gradient to central parameters and RMSProp statistics in
+the machine's shared memory (common/central_optim.py: chunks under their own locks, whichever is
+free first; the statistics shared by all ranks, as in the A3C paper), then pulls the central
+parameters: no all-reduce, no rank waits for another inside an update. Ranks still meet at the
+logging cadence, each having run the same iterations, so checkpoints and signals work as in A2C.
+
 Launch:
     python algos/a2c_multigpu.py --env-id Pong-v5                         # one process
     torchrun --standalone --nproc_per_node 8 algos/a2c_multigpu.py        # 8 GPUs, one machine
+    torchrun --standalone --nproc_per_node 8 algos/a2c_multigpu.py --asynchronous   # A3C
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 algos/a2c_multigpu.py                  # 2 machines
 """
@@ -40,6 +48,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -52,7 +61,8 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common.central_optim import CentralOptimizer  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
@@ -133,7 +143,14 @@ class Args:
     vf_coef: float = 0.5
     """coefficient on 0.5 (V - R)^2, i.e. 0.25 (V - R)^2 as in the paper's code (baselines: 0.5)"""
     max_grad_norm: float = 0.5
-    """global gradient-norm clip, applied after averaging over ranks (baselines, paper's code)"""
+    """global gradient-norm clip, applied after averaging over ranks (baselines, paper's code); with
+    --asynchronous to each rank's own gradient"""
+    asynchronous: bool = False
+    """asynchronous multi-GPU optimisation (paper Sec. 3.2): each rank applies its own gradients to
+    central parameters and optimizer state in this machine's shared memory
+    (common/central_optim.py), with no all-reduce; one machine only"""
+    num_chunks: int = 3
+    """chunks of the central parameters, each under its own lock (paper: 3)"""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -206,12 +223,15 @@ def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer
 
 
 def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str, torch.Tensor],
-               next_obs: torch.Tensor, args: Args) -> tuple[dict[str, torch.Tensor], float]:
+               next_obs: torch.Tensor, args: Args, central: CentralOptimizer | None = None
+               ) -> tuple[dict[str, torch.Tensor], float]:
     """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
 
-    The gradient is averaged over ranks before clipping and the optimizer step, so with R ranks
-    the step sees R x T x B samples and every rank stays identical. Nothing here waits for the
-    device (no .item()): the stats stay tensors until the logging cadence reads them.
+    A2C: the gradient is averaged over ranks before clipping and the optimizer step, so with R
+    ranks the step sees R x T x B samples and every rank stays identical. A3C (`central`): this
+    rank's own clipped gradient goes into the central optimizer, whose new parameters it pulls;
+    comm is then the wait for chunks other ranks held. Nothing here waits for the device (no
+    .item()): the stats stay tensors until the logging cadence reads them.
     """
     T, B = rollout["rewards"].shape
     # One forward pass gives the loss terms and the bootstrap value of next_obs [B]; the
@@ -242,9 +262,13 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
 
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
-    comm = dist.all_reduce_grads(agent)
+    comm = 0.0 if central else dist.all_reduce_grads(agent)
     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    optimizer.step()
+    if central is None:
+        optimizer.step()
+    else:  # chunk by chunk, whichever is free first, then the result (other ranks' steps too)
+        comm = central.step(optimizer.param_groups[0]["lr"])
+        central.pull()
 
     with torch.no_grad():
         explained_var = 1 - torch.var(returns - values) / torch.var(returns).clamp(min=1e-8)
@@ -260,6 +284,14 @@ def main() -> None:
         dist.fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if not 0.0 <= args.gae_lambda <= 1.0:
         dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+    if args.asynchronous and args.num_chunks <= 0:
+        dist.fail(f"--num-chunks must be positive, got {args.num_chunks}")
+    if args.asynchronous and args.lr_scaling != "none":
+        dist.fail("--lr-scaling scales the step of the synchronous global batch; with "
+                  "--asynchronous each rank steps on its own batch: leave it at none")
+    if args.asynchronous and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) != world.world_size:
+        dist.fail("--asynchronous runs on one machine (the central parameters live in its shared "
+                  "memory); for several machines drop --asynchronous")
 
     # ---- set-up: environments, run directory, model, optimizer, resume ----
     device = world.device
@@ -271,6 +303,10 @@ def main() -> None:
     except envs.EnvError as e:
         dist.fail(str(e))
     run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world)
+    if state is not None and state.get("asynchronous", False) != args.asynchronous:
+        how = "with" if state.get("asynchronous") else "without"
+        dist.fail(f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
+                  "state does not carry over; resume it as it ran")
 
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
@@ -279,8 +315,20 @@ def main() -> None:
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=agent, optimizer=optimizer)  # or 0
+    global_step = checkpoint.restore(state, world, model=agent, **(  # or 0
+        {} if args.asynchronous else {"optimizer": optimizer}))
     dist.broadcast_params(agent)
+    # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
+    stop = checkpoint.StopRequest()
+    central = None
+    if args.asynchronous:  # A3C: rank 0 writes the central state, the others attach to it
+        rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
+                dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
+        central = central_optim.shared(partial(CentralOptimizer, agent.parameters(),
+                                               args.num_chunks, global_step=global_step, **rule),
+                                       world, state and state["optimizer"])
+        central.pull()
+    central_step = global_step  # A3C: the machine's step count at this rank's last rollout
 
     global_batch = batch_per_rank * world.world_size
     # An iteration is only 80 steps per rank: logging (an all-gather and TensorBoard writes) and
@@ -290,7 +338,6 @@ def main() -> None:
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
-    stop = checkpoint.StopRequest()
 
     step = dist.compiled(agent, args.compile)
 
@@ -298,9 +345,13 @@ def main() -> None:
         return Categorical(logits=step(obs)[0]).sample(), {}
 
     def save():
+        if central is not None:  # once every rank is between updates, the central copy is whole
+            dist.all_gather(None)
+            central.pull()
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                                "logger": logger.state(), "env_id": args.env_id,
+                               {"model": agent.state_dict(), "logger": logger.state(),
+                                "optimizer": (central or optimizer).state_dict(),
+                                "asynchronous": args.asynchronous, "env_id": args.env_id,
                                 "script": "a2c_multigpu"})
 
     def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
@@ -315,18 +366,21 @@ def main() -> None:
     while global_step < args.total_timesteps:
         iteration += 1
         # The schedule follows the global step, so a resume with other ranks or batches goes on
-        # where it stopped.
-        lr = base_lr * (max(0.0, 1.0 - global_step / args.total_timesteps)
+        # where it stopped. A3C: the central count, other ranks' steps included. Every rank runs
+        # the same iterations between the meetings (logging, checkpoints), so `global_step`, all
+        # ranks' steps as A2C counts them, is the central count whenever the ranks meet.
+        lr = base_lr * (max(0.0, 1.0 - central_step / args.total_timesteps)
                         if args.anneal_lr else 1.0)
         optimizer.param_groups[0]["lr"] = lr
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
         rollout = sampler.collect(policy, value_fn=lambda o: agent(o)[1])
         global_step += global_batch
+        central_step = central.add_steps(batch_per_rank) if central else global_step
 
         # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
         learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
-        stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args)
+        stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args, central)
         learn += dist.clock(device) - learn_t0 - seconds
         comm += seconds
         for k, v in stats.items():
@@ -366,8 +420,11 @@ def main() -> None:
     if eval_env and not stopped and (last_eval is None
                                      or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    logger.summary(global_step, last_eval)
+    logger.summary(global_step, last_eval,
+                   **({"central_step": central.add_steps(0)} if central else {}))
     logger.close()
+    if central is not None:
+        central.close()
     for e in env_groups + ([eval_env] if eval_env else []):
         e.close()
     dist.finish()

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # How global_step (environment steps over all ranks, the x axis of every chart) advances.
 ITERATION = {
-    "rollout": "each rank steps num_envs x num_steps, then all take one synchronous update: "
-               "global_step += ranks x num_envs x num_steps",
+    "rollout": "each rank steps num_envs x num_steps, then all take one synchronous update (A3C: "
+               "each its own, on central parameters): global_step += ranks x num_envs x num_steps",
     "replay": "each rank steps num_envs x num_steps into its replay shard, then all take "
               "replay_ratio x steps / (batch_size x ranks) synchronous updates, none before "
               "learning_starts: global_step += ranks x num_envs x num_steps",
@@ -61,6 +61,8 @@ class Algo:
 ALGOS = {  # one line per configuration, in the order of the paper's Table 2
     "a2c": Algo("a2c_multigpu", "rollout", (), (), (), _A2C_SMOKE, (3.8, 2.2, 1.2, 0.59), 0.65),
     "ppo": Algo("ppo_multigpu", "rollout", (), (), (), _PG_SMOKE, (4.4, 2.6, 1.5, 1.1), 1.2),
+    "a3c": Algo("a2c_multigpu", "rollout", ("--asynchronous",), (), (), _A2C_SMOKE,
+                (None, 2.4, 1.3, 0.65)),
     "appo": Algo("appo_async", "async", (), (), (), _PG_SMOKE, (None, 2.8, 1.5, 0.71)),
     "dqn-512": Algo("dqn_multigpu", "replay", ("--preset", "dqn-512"), ("--eval-interval", "0"),
                     _Q_CPU, _Q_SMOKE, (8.3, 4.8, 3.1, 2.6), 1.4),
