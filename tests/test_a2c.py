@@ -190,16 +190,17 @@ A3C = ("--asynchronous", "--env-id", "tests.catch_env:Catch-v0")
 
 def test_a3c_learns_catch_on_two_ranks_and_resumes(tmp_path):
     """A3C: two ranks, each on its own 16 environments, push their own gradients into the central
-    RMSProp. Same flags as A2C's test: 200 updates per rank, 400 central ones. Seeds 1-3 gave a
-    final evaluation of 1.00, 0.88, 1.00 over 16 games here (training's last 100 games: 0.68,
-    0.94, 0.96), in 32 to 43 s on 2 cores."""
+    RMSProp. Same flags as A2C's test: 200 updates per rank, 400 central ones. Not repeatable
+    (the chunks take the ranks' gradients in the order timing gives): seven runs here (seed 1
+    five times, seeds 2 and 3) gave final evaluations of 0.50 to 1.00 over 16 games and 0.24 to
+    0.98 over training's last 100 games, against a random policy's -0.7 (both), in 32 to 66 s."""
     shm_before, run = _shm(), tmp_path / "run"
     run_script("a2c_multigpu", *A3C, "--seed", "1", "--total-timesteps", "32000",
                "--learning-rate", "7e-3", "--run-dir", str(run), nproc=2, timeout=900)
     s = read_summary(run)
     assert s["world_size"] == 2 and s["global_step"] == s["central_step"] == 32000
-    assert s["eval_return"] > 0.7 and s["eval_episodes"] == 16 and s["episodes"] > 5000
-    assert s["mean_return_last100"] > 0.3  # a random policy: about -0.7
+    assert s["eval_return"] > 0.3 and s["eval_episodes"] == 16 and s["episodes"] > 5000
+    assert s["mean_return_last100"] > 0.0  # catches most balls; a random policy: 1 in 5
     ckpt = torch.load(run / "checkpoints" / "step_32000.pt", weights_only=True)
     # every chunk took every update of both ranks: 2 x 32000 / 2 / 80
     assert set(ckpt["optimizer"]) == {"square_avg", "step"} and ckpt["asynchronous"]
