@@ -28,17 +28,14 @@ _warm = threading.local()  # .server: this thread's warm server, started on firs
 
 def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
-    """Run algos/<script>.py as plain python (nproc=1: forked from this test process's warm
-    server, tests/warm.py) or under torchrun (nproc>1), on the CPU."""
-    env = {**os.environ, **CHILD_ENV}
+    """Run algos/<script>.py as plain python (nproc=1) or under torchrun (nproc>1), on the CPU,
+    forked from this test process's warm server (tests/warm.py)."""
     path = str(ROOT / "algos" / f"{script}.py")
     if nproc == 1:
         proc = run_python(path, "--no-cuda", *args, timeout=timeout)
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", path, "--no-cuda", *args]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+    else:  # torchrun's own process forked warm too; it starts the ranks as fresh interpreters
+        proc = run_python("-m torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                          path, "--no-cuda", *args, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
                              f"stderr:\n{proc.stderr[-3000:]}")
@@ -46,8 +43,9 @@ def run_script(script: str, *args: str, nproc: int = 1, timeout: float = 300,
 
 
 def run_python(path: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python path ARGS` in the repository root, forked from this test process's warm server
-    (tests/warm.py: the imports are done once), with CHILD_ENV."""
+    """`python path ARGS` (path "-m module": `python -m module ARGS`) in the repository root,
+    forked from this test process's warm server (tests/warm.py: the imports are done once), with
+    CHILD_ENV."""
     if not hasattr(_warm, "server"):  # a server answers one request at a time: one per thread
         _warm.server = warm.Server({**os.environ, **CHILD_ENV})
     return _warm.server.run(str(path), list(args), str(ROOT), timeout)

@@ -43,9 +43,14 @@ def _child(req: dict) -> None:
             os.dup2(f, fd)
             os.close(f)
         os.chdir(req["cwd"])
-        sys.argv = [req["path"], *req["argv"]]
-        sys.path[0] = os.path.dirname(req["path"])  # as `python path` sets it
-        runpy.run_path(req["path"], run_name="__main__")
+        if req["path"].startswith("-m "):  # `python -m module`
+            sys.argv = [req["path"][3:], *req["argv"]]
+            sys.path[0] = req["cwd"]
+            runpy.run_module(req["path"][3:], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [req["path"], *req["argv"]]
+            sys.path[0] = os.path.dirname(req["path"])  # as `python path` sets it
+            runpy.run_path(req["path"], run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -97,7 +102,8 @@ class Server:
         return json.loads(line)
 
     def run(self, path: str, argv: list[str], cwd: str, timeout: float):
-        """`python path *argv` in cwd: a CompletedProcess (returncode, stdout, stderr)."""
+        """`python path *argv` (path "-m module": `python -m module *argv`) in cwd: a
+        CompletedProcess (returncode, stdout, stderr)."""
         with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
             self.proc.stdin.write(json.dumps({"path": path, "argv": argv, "cwd": cwd,
                                               "out": out.name, "err": err.name}) + "\n")
