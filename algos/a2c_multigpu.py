@@ -307,6 +307,10 @@ def main() -> None:
         how = "with" if state.get("asynchronous") else "without"
         dist.fail(f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
                   "state does not carry over; resume it as it ran")
+    if args.asynchronous and state and central_optim.STATS[args.optimizer][0] not in state[
+            "optimizer"]:  # else rank 0's central set-up would end in a KeyError traceback
+        dist.fail(f"checkpoint {args.resume} holds another rule's central statistics than "
+                  f"--optimizer {args.optimizer}; resume it with the optimizer it ran with")
 
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
