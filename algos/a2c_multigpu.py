@@ -302,15 +302,17 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world)
-    if state is not None and state.get("asynchronous", False) != args.asynchronous:
-        how = "with" if state.get("asynchronous") else "without"
-        dist.fail(f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
-                  "state does not carry over; resume it as it ran")
-    if args.asynchronous and state and central_optim.STATS[args.optimizer][0] not in state[
-            "optimizer"]:  # else rank 0's central set-up would end in a KeyError traceback
-        dist.fail(f"checkpoint {args.resume} holds another rule's central statistics than "
-                  f"--optimizer {args.optimizer}; resume it with the optimizer it ran with")
+    def refuse(state):  # A2C's and A3C's optimizer states differ (and A3C's per rule)
+        if state.get("asynchronous", False) != args.asynchronous:
+            how = "with" if state.get("asynchronous") else "without"
+            return (f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
+                    "state does not carry over; resume it as it ran")
+        if args.asynchronous and central_optim.STATS[args.optimizer][0] not in state["optimizer"]:
+            return (f"checkpoint {args.resume} holds another rule's central statistics than "
+                    f"--optimizer {args.optimizer}; resume it with the optimizer it ran with")
+        return None
+
+    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world, check=refuse)
 
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]

@@ -156,9 +156,10 @@ def load(path: Path) -> dict:
         raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {first}") from None
 
 
-def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None]:
+def prepare_run(args, script: str, world: dist.World, check=None) -> tuple[Path, dict | None]:
     """Create the run directory cli.parse_args chose; rank 0 loads the checkpoint to resume, and
-    every rank receives it (or one error message): (run_dir, state or None)."""
+    every rank receives it (or one error message): (run_dir, state or None). `check(state)`: the
+    script's own reason to refuse a checkpoint, or None; asked before args.json is rewritten."""
     error, state, run_dir = None, None, Path(args.run_dir)
     if world.is_main:
         try:
@@ -170,6 +171,8 @@ def prepare_run(args, script: str, world: dist.World) -> tuple[Path, dict | None
                 if state.get("env_id") != args.env_id:
                     raise ValueError(f"checkpoint {args.resume} was trained on "
                                      f"{state.get('env_id')!r}, not {args.env_id!r}")
+                if check and (problem := check(state)):
+                    raise ValueError(problem)
                 state["resumed_from"] = args.resume
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             for leftover in (run_dir / "checkpoints").glob("*.tmp"):  # a save that was cut short

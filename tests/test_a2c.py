@@ -214,11 +214,12 @@ def test_a3c_learns_catch_on_two_ranks_and_resumes(tmp_path):
     assert s["global_step"] == s["central_step"] == 36000 and s["args"]["asynchronous"]
     ckpt = torch.load(run / "checkpoints" / "step_36000.pt", weights_only=True)
     assert ckpt["optimizer"]["step"].tolist() == [450] * 3
-    # first: a refused resume still rewrites the run's args.json (checkpoint.prepare_run)
-    assert "holds another rule's central statistics" in _bad(
-        "--resume", str(run), "--optimizer", "adam", "--total-timesteps", "40000")
+    saved = (run / "args.json").read_text()
     assert "trained with --asynchronous" in _bad("--resume", str(run), "--no-asynchronous",
                                                  "--total-timesteps", "40000")
+    assert "holds another rule's central statistics" in _bad(
+        "--resume", str(run), "--optimizer", "adam", "--total-timesteps", "40000")
+    assert (run / "args.json").read_text() == saved  # a refused resume changes nothing
     assert not _shm_left(shm_before)
 
 
