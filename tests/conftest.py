@@ -46,9 +46,10 @@ def run_python(path: str, *args: str, timeout: float = 300) -> subprocess.Comple
     """`python path ARGS` (path "-m module": `python -m module ARGS`) in the repository root,
     forked from this test process's warm server (tests/warm.py: the imports are done once), with
     CHILD_ENV."""
-    if not hasattr(_warm, "server"):  # a server answers one request at a time: one per thread
-        _warm.server = warm.Server({**os.environ, **CHILD_ENV})
-    return _warm.server.run(str(path), list(args), str(ROOT), timeout)
+    server = getattr(_warm, "server", None)  # one request at a time: a server per thread
+    if server is None or not server.in_step:  # one out of step is replaced, never reused
+        server = _warm.server = warm.Server({**os.environ, **CHILD_ENV})
+    return server.run(str(path), list(args), str(ROOT), timeout)
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -143,6 +144,12 @@ def assert_stopped_with_checkpoint(run_dir: Path, out: str) -> int:
 # would be its tail, not its total over the workers. Order only: every test still runs.
 LONGEST = ("test_gpu_check.py", "learns_catch", "a3c_killed_rank", "torchrun_two_ranks",
            "hung_worker", "test_scaling_table", "test_throughput_parts")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a learning, torchrun, benchmark or GPU-check run; the quick tier "
+        "(-m 'not slow', README: Tests) leaves these out, the whole suite and CI run them")
 
 
 def pytest_collection_modifyitems(items):

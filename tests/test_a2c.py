@@ -110,6 +110,7 @@ def test_two_ranks_on_half_the_envs_equal_one_process_on_all(tmp_path, optimizer
     torch.testing.assert_close(r0, single, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a2c_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch; a correct A2C catches nearly every ball.
 
@@ -124,6 +125,7 @@ def test_a2c_learns_catch(tmp_path):
     assert s["mean_return_last100"] > 0.7
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run = tmp_path / "run"
     common = ["--env-id", "Pong-v5", "--num-envs", "4", "--alternate",
@@ -188,6 +190,7 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
 A3C = ("--asynchronous", "--env-id", "tests.catch_env:Catch-v0")
 
 
+@pytest.mark.slow
 def test_a3c_learns_catch_on_two_ranks_and_resumes(tmp_path):
     """A3C: two ranks, each on its own 16 environments, push their own gradients into the central
     RMSProp. Same flags as A2C's test: 200 updates per rank, 400 central ones. Not repeatable
@@ -223,6 +226,7 @@ def test_a3c_learns_catch_on_two_ranks_and_resumes(tmp_path):
     assert not _shm_left(shm_before)
 
 
+@pytest.mark.slow
 def test_a3c_killed_rank_ends_the_run_and_sigint_stops_it_cleanly(tmp_path):
     """SIGKILL one A3C rank: the other fails its next meeting, the run ends non-zero within the
     collective timeout, and no process or /dev/shm file is left. Ctrl-C on another run stops

@@ -214,6 +214,7 @@ def test_gae_and_update_equal_ppo():
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_appo_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch (its mean over 100 games stays below -0.3);
     APPO, sampling while it learns, catches most balls within 10k steps (PPO's test: 16k)."""
@@ -241,6 +242,7 @@ def _shm_left(before: set[str]) -> set[str]:
     return _shm() - before
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     shm_before = _shm()
     run = tmp_path / "run"
@@ -329,6 +331,7 @@ LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-st
             "--num-minibatches", "1", "--update-epochs", "1", "--total-timesteps", "10000000")
 
 
+@pytest.mark.slow
 def test_killed_sampler_ends_the_whole_run(tmp_path):
     """SIGKILL one rank's sampler under torchrun: the run ends, non-zero, saying what died, and
     no process it started (ranks, samplers, trackers) is left."""

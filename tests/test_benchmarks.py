@@ -38,6 +38,7 @@ def last_logged_step(run_dir) -> int:
     return max(steps)
 
 
+@pytest.mark.slow
 def test_smoke_experiment_end_to_end(tmp_path):
     runs = tmp_path / "runs"
     sweep = ("smoke", "--only", "ppo-4env", "ppo-16env", "--runs", str(runs))
@@ -77,6 +78,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
     assert "| ppo-4env | " in drawn.stdout  # the per-run score table
 
 
+@pytest.mark.slow
 def test_scaling_table_one_and_two_gloo_ranks(tmp_path):
     prefix = tmp_path / "scaling"
     proc = bench("scaling.py", "--algos", "ppo", "--ranks", "1", "2", "--env-id", CATCH,
@@ -176,6 +178,7 @@ def key_paths(d: dict, prefix: tuple = ()) -> set[tuple]:
     return out
 
 
+@pytest.mark.slow
 def test_throughput_parts_write_the_committed_fields(tmp_path):
     out = tmp_path / "results"
     proc = bench("throughput.py", "ppo", "dqn", "catdqn", "--env-id", CATCH, "--no-cuda",

@@ -214,6 +214,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
     assert (ce > 0).all()
 
 
+@pytest.mark.slow
 def test_cat_dqn_learns_catch(tmp_path):
     """A random policy scores about -0.6 to -0.7 on Catch; C51 (3-step, 51 atoms on [-10, 10])
     catches most balls after about 1,200 updates of 32. Seed 1 gave 0.78 here."""
@@ -241,6 +242,7 @@ def _scalars(run_dir, tag):
     return sorted(out)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     """2 ranks x 2 envs x 4 steps = 16 steps an iteration; learning from step 64 at batch 16 per
     rank and replay ratio 2 gives 2 x 16 / 32 = 1 update an iteration."""

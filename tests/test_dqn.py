@@ -134,6 +134,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
     torch.testing.assert_close(torch.cat([td0, td1]), td)  # TD errors for the priorities
 
 
+@pytest.mark.slow
 def test_dqn_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch; DQN (double, 3-step) catches nearly every ball
     after about 600 updates of 64. Seed 1 gave 0.88 here."""
@@ -160,6 +161,7 @@ def _scalars(run_dir, tag):
     return sorted(out)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end_resume_and_refill(tmp_path):
     """2 ranks x 2 envs x 4 steps = 16 steps an iteration; learning from step 64 at batch 16 per
     rank and replay ratio 2 gives 2 x 16 / 32 = 1 update an iteration."""

@@ -44,6 +44,7 @@ def quick(tmp_path_factory):
     return proc, *written(out)
 
 
+@pytest.mark.slow
 def test_quick_run_has_every_step_ok(quick):
     proc, report, _ = quick
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -53,6 +54,7 @@ def test_quick_run_has_every_step_ok(quick):
     assert report["failed"] == []
 
 
+@pytest.mark.slow
 def test_json_holds_every_field(quick):
     _, report, _ = quick
     hw = report["hardware"]
@@ -78,6 +80,7 @@ def test_json_holds_every_field(quick):
         {t["name"] for t in report["targets"]}  # every target measured
 
 
+@pytest.mark.slow
 def test_table_lists_every_step_and_the_hardware(quick):
     proc, report, table = quick
     assert table == report["table_markdown"] and table.strip() in proc.stdout
@@ -89,6 +92,7 @@ def test_table_lists_every_step_and_the_hardware(quick):
     assert "Targets" in table
 
 
+@pytest.mark.slow
 def test_failed_and_timed_out_steps_are_reported_and_the_others_run(tmp_path):
     proc = gpu_check_run("--no-cuda", "--quick", "--out", str(tmp_path), "--steps", "ale",
                          "sampler", "ppo", "--timeouts", "ppo=1",

@@ -3,6 +3,7 @@
 import signal
 import time
 
+import pytest
 import torch
 
 from tests.conftest import (assert_stopped_with_checkpoint, expect_error, load_algo, read_summary,
@@ -53,6 +54,7 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
     torch.testing.assert_close(r0, single, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run = tmp_path / "run"
     # Final evaluations of 8 games per rank, cut at 100 steps (a whole Pong game would take
@@ -98,6 +100,7 @@ def test_sigint_checkpoints_and_exits_cleanly(tmp_path):
     assert_stopped_with_checkpoint(tmp_path / "run", out)
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
     """torchrun forwards SIGTERM to its workers, waits for them, then re-raises the signal
     itself (its own exit code is 1): what we own is that every rank checkpoints and exits 0."""
@@ -110,6 +113,7 @@ def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
     assert_stopped_with_checkpoint(tmp_path / "run", out)
 
 
+@pytest.mark.slow
 def test_ppo_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch; a correct PPO catches nearly every ball.
 

@@ -80,6 +80,7 @@ def _read_until(proc, predicate, timeout=240) -> str:
 
 # ---- the three reproduced bugs --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_on_two_ranks_from_a_one_rank_checkpoint_continues_the_schedule(tmp_path):
     """Bug 1: the learning-rate annealing followed the iteration count, so a resume with another
     global batch set it to 0 and the parameters froze. It now follows the global step."""
@@ -177,6 +178,7 @@ def test_a2c_sets_omp_wait_policy_like_every_script():
 
 # ---- faults ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_killed_worker_is_restarted_by_torchrun_and_the_run_finishes(tmp_path):
     """SIGKILL one worker under `torchrun --max-restarts 1`, with no --run-dir (the default name
     holds the start time): the restarted group finds its run, loads the newest checkpoint and
@@ -203,6 +205,7 @@ def test_killed_worker_is_restarted_by_torchrun_and_the_run_finishes(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 2048  # charts continue, no duplicates
 
 
+@pytest.mark.slow
 def test_hung_worker_ends_the_run_within_the_timeout(tmp_path):
     """SIGSTOP one worker: the other's collective fails after --collective-timeout, it says why
     and exits, torchrun stops the group, and no process is left behind."""
