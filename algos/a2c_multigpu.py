@@ -284,14 +284,11 @@ def main() -> None:
         dist.fail(f"--learning-rate must be positive, got {args.learning_rate}")
     if not 0.0 <= args.gae_lambda <= 1.0:
         dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
-    if args.asynchronous and args.num_chunks <= 0:
-        dist.fail(f"--num-chunks must be positive, got {args.num_chunks}")
+    if args.asynchronous:
+        central_optim.check(args, world)
     if args.asynchronous and args.lr_scaling != "none":
         dist.fail("--lr-scaling scales the step of the synchronous global batch; with "
                   "--asynchronous each rank steps on its own batch: leave it at none")
-    if args.asynchronous and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) != world.world_size:
-        dist.fail("--asynchronous runs on one machine (the central parameters live in its shared "
-                  "memory); for several machines drop --asynchronous")
 
     # ---- set-up: environments, run directory, model, optimizer, resume ----
     device = world.device
@@ -302,17 +299,8 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    def refuse(state):  # A2C's and A3C's optimizer states differ (and A3C's per rule)
-        if state.get("asynchronous", False) != args.asynchronous:
-            how = "with" if state.get("asynchronous") else "without"
-            return (f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
-                    "state does not carry over; resume it as it ran")
-        if args.asynchronous and central_optim.STATS[args.optimizer][0] not in state["optimizer"]:
-            return (f"checkpoint {args.resume} holds another rule's central statistics than "
-                    f"--optimizer {args.optimizer}; resume it with the optimizer it ran with")
-        return None
-
-    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world, check=refuse)
+    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world,
+                                           check=partial(central_optim.refusal, args))
 
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
@@ -371,6 +359,8 @@ def main() -> None:
     iteration = 0
     while global_step < args.total_timesteps:
         iteration += 1
+        if central is not None:  # the ranks meet only at the logging cadence: look each time
+            central.check_peers()
         # The schedule follows the global step, so a resume with other ranks or batches goes on
         # where it stopped. A3C: the central count, other ranks' steps included. Every rank runs
         # the same iterations between the meetings (logging, checkpoints), so `global_step`, all

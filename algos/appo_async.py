@@ -266,7 +266,8 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
 def main() -> None:
     args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
     batch_per_rank = args.num_envs * args.num_steps
-    for name in ("num_minibatches", "update_epochs", "num_chunks"):
+    central_optim.check(args, world, instead="use ppo_multigpu.py")
+    for name in ("num_minibatches", "update_epochs"):
         if getattr(args, name) <= 0:
             dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if batch_per_rank % args.num_minibatches:
@@ -277,9 +278,6 @@ def main() -> None:
                   f"{args.num_buffers}")
     if args.max_policy_lag < 0:
         dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) != world.world_size:
-        dist.fail("appo_async.py runs on one machine (its central parameters live in that "
-                  "machine's shared memory); for several machines use ppo_multigpu.py")
     allowed = os.sched_getaffinity(0)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cores = list(args.sampler_cores[world.local_rank::local_ranks] or args.sampler_cores)

@@ -13,6 +13,15 @@ its shard, then takes replay_ratio x global_steps / (batch_size x ranks) updates
 fraction, so the ratio of samples replayed to samples generated is exactly --replay-ratio
 whatever the batch or world size (16 envs x 4 steps at batch 512, ratio 8: one update each).
 
+Asynchronous DQN (--asynchronous; paper Sec. 3.2, Table 2: DQN-512 in 3.9 hours on 4 GPUs, 3.1
+synchronous). Each rank keeps its own replay shard and its own ratio of updates to steps, and
+applies its own clipped gradient to central parameters and Adam statistics in the machine's shared
+memory (common/central_optim.py: chunks under their own locks), then pulls the central parameters;
+no rank waits for another inside an update. The global step is counted centrally, and so is the
+update count (every chunk counts the gradients it took); the target network is a copy of the
+central parameters taken each time the central step crosses --target-update-interval, and the
+exploration and importance-sampling schedules follow the central step. One machine only.
+
 Presets (--preset; flags on the command line override them):
   dqn-nature       Mnih et al. 2015: batch 32, centered RMSProp lr 2.5e-4, target every 10,000
                    updates (40,000 steps), eps 1 -> 0.1 over 1M frames, learning starts at 50,000.
@@ -37,6 +46,7 @@ Launch:
     python algos/dqn_multigpu.py --env-id Breakout-v5                     # one process
     python algos/dqn_multigpu.py --preset eps-rainbow-512                 # a documented preset
     torchrun --standalone --nproc_per_node 8 algos/dqn_multigpu.py        # 8 GPUs, one machine
+    torchrun --standalone --nproc_per_node 4 algos/dqn_multigpu.py --asynchronous
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 algos/dqn_multigpu.py                  # 2 machines
 """
@@ -49,6 +59,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -61,7 +72,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common.central_optim import CentralOptimizer  # noqa: E402
 from common import replay_shard  # noqa: E402
 from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
@@ -152,6 +164,12 @@ class Args:
     """Adam epsilon (the authors' code: 0.01/batch for C51, 0.005/batch for eps-Rainbow)"""
     max_grad_norm: float = 10.0
     """global gradient-norm clip after averaging over ranks (rlpyt's DQN: 10); 0 turns it off"""
+    asynchronous: bool = False
+    """asynchronous multi-GPU optimisation (paper Sec. 3.2): each rank applies its own gradients to
+    central parameters and optimizer state in this machine's shared memory
+    (common/central_optim.py), with no all-reduce; one machine only"""
+    num_chunks: int = 3
+    """chunks of the central parameters, each under its own lock (paper: 3)"""
     eps_schedule: Literal["linear", "apex"] = "linear"
     """exploration: one annealed epsilon, or fixed per-environment epsilons (module docstring)"""
     eps_start: float = 1.0
@@ -221,22 +239,28 @@ def td_targets(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor]
 
 
 def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimizer,
-               batch: dict[str, torch.Tensor], args: Args):
-    """One step on this rank's batch; returns (stats, |TD errors| [N], comm seconds).
+               batch: dict[str, torch.Tensor], args: Args, central: CentralOptimizer | None = None):
+    """One step on this rank's batch; returns (stats, |TD errors| [N], comm or wait seconds).
 
     Huber loss (Nature's error clipping to [-1, 1]), weighted by the importance weights. The
     gradient is averaged over ranks before clipping and the step, so R ranks on R batches take
-    the step one process would take on their union, and every rank stays identical.
+    the step one process would take on their union, and every rank stays identical. Asynchronous
+    (`central`): this rank's own clipped gradient goes into the central Adam, whose new parameters
+    it pulls.
     """
     y = td_targets(model, target, batch, args.double)
     q = model(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # [N]
     loss = (batch["weights"] * F.smooth_l1_loss(q, y, reduction="none")).mean()
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
-    comm = dist.all_reduce_grads(model)
+    comm = 0.0 if central else dist.all_reduce_grads(model)
     if args.max_grad_norm > 0:
         nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
+    if central is None:
+        optimizer.step()
+    else:
+        comm = central.step(args.learning_rate)
+        central.pull()
     return {"td_loss": loss.detach(), "q_values": q.detach().mean()}, (q - y).detach().abs(), comm
 
 
@@ -252,6 +276,11 @@ def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
 def main() -> None:
     args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
     cli.check_q_learning(args)
+    if args.asynchronous:
+        central_optim.check(args, world)
+        if args.optimizer != "adam":
+            dist.fail("--asynchronous steps with the central Adam: Nature's centered RMSProp has "
+                      "no central form here; use --optimizer adam")
 
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
@@ -263,7 +292,8 @@ def main() -> None:
     except envs.EnvError as e:
         dist.fail(str(e))
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
-    run_dir, state = checkpoint.prepare_run(args, "dqn_multigpu", world)
+    run_dir, state = checkpoint.prepare_run(args, "dqn_multigpu", world,
+                                           check=partial(central_optim.refusal, args))
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
     model = QNetwork(env_groups[0].num_actions, args.dueling).to(device)
@@ -271,8 +301,8 @@ def main() -> None:
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=model, optimizer=optimizer,
-                                     target=target)  # or 0
+    global_step = checkpoint.restore(state, world, model=model, target=target, **(  # or 0
+        {} if args.asynchronous else {"optimizer": optimizer}))
     counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
                 "generated": 0}  # "generated": steps taken while learning was on
     if state is not None:
@@ -282,6 +312,16 @@ def main() -> None:
     dist.broadcast_params(model)
     dist.broadcast_params(target)
     replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
+    # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
+    stop = checkpoint.StopRequest()
+    central = None
+    if args.asynchronous:  # rank 0 writes the central state, the others attach to it
+        central = central_optim.shared(partial(CentralOptimizer, model.parameters(),
+                                               args.num_chunks, eps=args.adam_eps,
+                                               global_step=global_step),
+                                       world, state and state["optimizer"])
+        central.pull()
+    central_step = global_step  # asynchronous: the machine's step count at this rank's last rollout
 
     global_batch = args.num_steps * args.num_envs * world.world_size
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
@@ -292,12 +332,15 @@ def main() -> None:
     policy = GroupPolicy(dist.compiled(model, args.compile))  # eps-greedy, one eps per env column
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
-    stop = checkpoint.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
+        if central is not None:  # once every rank is between updates, the central copy is whole
+            dist.all_gather(None)
+            central.pull()
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "target": target.state_dict(), "counters": dict(counters),
+                               {"model": model.state_dict(), "target": target.state_dict(),
+                                "optimizer": (central or optimizer).state_dict(),
+                                "asynchronous": args.asynchronous, "counters": dict(counters),
                                 "logger": logger.state(), "env_id": args.env_id,
                                 "script": "dqn_multigpu"},
                                rank_state={"replay": replay.state_dict()} if args.save_replay
@@ -320,31 +363,35 @@ def main() -> None:
     env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     while global_step < args.total_timesteps:
         iteration += 1
+        if central is not None:  # the ranks meet only at the logging cadence: look each time
+            central.check_peers()
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
-        eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
+        eps = epsilons(args, central_step, world.rank, world.world_size).to(device)
         rollout = sampler.collect(policy.start(eps), value_fn=keep_final)
         replay.add(rollout["obs"], rollout["actions"], rollout["rewards"], rollout["terminated"],
                    rollout["truncated"], sampler.next_obs, torch.cat(finals) if finals else None)
         finals.clear()
         global_step += global_batch
+        seen, central_step = central_step, (central.add_steps(global_batch // world.world_size)
+                                            if central else global_step)
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
         learn_t0, seconds = dist.clock(device), 0.0
         if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
             beta = args.priority_beta + (1 - args.priority_beta) * min(
-                1.0, global_step / args.total_timesteps)
+                1.0, central_step / args.total_timesteps)
             for _ in range(replay_shard.updates_due(counters, args, global_batch, world.world_size)):
                 batch = replay.sample(args.batch_size, beta, device)
-                stats, td_abs, c = dqn_update(model, target, optimizer, batch, args)
+                stats, td_abs, c = dqn_update(model, target, optimizer, batch, args, central)
                 replay.update_priorities(batch["indices"], td_abs)
                 seconds += c
                 for k, v in stats.items():
                     stat_sums[k] = stat_sums.get(k, 0.0) + v
                 stat_count += 1
         interval = args.target_update_interval  # in global steps (Nature: in updates)
-        if global_step // interval > (global_step - global_batch) // interval:
-            target.load_state_dict(model.state_dict())
+        if central_step // interval > seen // interval:  # asynchronous: each rank sees each once
+            target.load_state_dict(model.state_dict())  # the central parameters, just pulled
         learn += dist.clock(device) - learn_t0 - seconds
         comm += seconds
 
@@ -384,8 +431,12 @@ def main() -> None:
                                      or last_eval["global_step"] != global_step):
         last_eval = logger.eval(global_step, evaluate())  # the final evaluation
     logger.summary(global_step, last_eval, updates=counters["updates"],
-                   replay_bytes_per_transition=replay.bytes_per_transition())
+                   replay_bytes_per_transition=replay.bytes_per_transition(),
+                   **({"central_step": central.add_steps(0),  # every chunk took every update
+                       "central_updates": int(central.steps[0])} if central else {}))
     logger.close()
+    if central is not None:
+        central.close()
     for e in env_groups + ([eval_env] if eval_env else []):
         e.close()
     dist.finish()

@@ -32,7 +32,8 @@ ITERATION = {
                "each its own, on central parameters): global_step += ranks x num_envs x num_steps",
     "replay": "each rank steps num_envs x num_steps into its replay shard, then all take "
               "replay_ratio x steps / (batch_size x ranks) synchronous updates, none before "
-              "learning_starts: global_step += ranks x num_envs x num_steps",
+              "learning_starts (asynchronous DQN: each its own, on central parameters): "
+              "global_step += ranks x num_envs x num_steps",
     "async": "each rank's sampler process runs ahead into shared buffers; global_step counts "
              "the steps trained on: += ranks x num_envs x num_steps per rollout consumed",
 }
@@ -66,6 +67,8 @@ ALGOS = {  # one line per configuration, in the order of the paper's Table 2
     "appo": Algo("appo_async", "async", (), (), (), _PG_SMOKE, (None, 2.8, 1.5, 0.71)),
     "dqn-512": Algo("dqn_multigpu", "replay", ("--preset", "dqn-512"), ("--eval-interval", "0"),
                     _Q_CPU, _Q_SMOKE, (8.3, 4.8, 3.1, 2.6), 1.4),
+    "dqn-512-async": Algo("dqn_multigpu", "replay", ("--preset", "dqn-512", "--asynchronous"),
+                          ("--eval-interval", "0"), _Q_CPU, _Q_SMOKE, (None, None, 3.9, None)),
     "eps-rainbow-512": Algo("dqn_multigpu", "replay", ("--preset", "eps-rainbow-512"),
                             ("--eval-interval", "0"), _Q_CPU, _Q_SMOKE, (14.1, 8.6, 6.6, 6.4), 2.5),
     "catdqn-2048": Algo("cat_dqn", "replay", ("--preset", "catdqn-2k"), ("--eval-interval", "0"),

@@ -53,6 +53,7 @@ class CentralOptimizer:
                  name: str | None = None, state: dict | None = None, folder: Path = FOLDER,
                  rule: str = "adam", alpha: float = 0.99, global_step: int = 0):
         self.params = list(params)
+        self.peers: dict[int, int] = {}  # rank -> pid of the machine's other ranks (shared())
         n = sum(p.numel() for p in self.params)
         self.sizes = [len(c) for c in torch.arange(n).tensor_split(num_chunks)]
         self.betas, self.eps, self.rule, self.alpha = betas, eps, rule, alpha
@@ -154,6 +155,22 @@ class CentralOptimizer:
         p.addcdiv_(g, v.sqrt().add_(self.eps), value=-lr)
         return t
 
+    def check_peers(self) -> None:
+        """End this rank with one line if another rank has died. Asynchronous ranks meet only at
+        the logging cadence, which on a slow machine outlasts torchrun's grace between its
+        SIGTERM and SIGKILL, so they look each iteration (one kill(pid, 0) per peer)."""
+        for rank, pid in self.peers.items():
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:  # an unreaped zombie answers kill() too
+                    dead = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except ProcessLookupError:
+                dead = True
+            except OSError:  # no /proc: kill()'s answer is all there is
+                dead = False
+            if dead:
+                dist.abort(f"rank {rank} (pid {pid}) died")
+
     @torch.no_grad()
     def pull(self) -> None:
         """Copy the central parameters into `params`, without locks: a chunk being written may be
@@ -186,6 +203,28 @@ def remove_stale(folder: Path = FOLDER) -> None:
                 pass
 
 
+def check(args, world, instead: str = "drop --asynchronous") -> None:
+    """The asynchronous modes' refusals, each one line: positive --num-chunks, one machine."""
+    if args.num_chunks <= 0:
+        dist.fail(f"--num-chunks must be positive, got {args.num_chunks}")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) != world.world_size:
+        dist.fail("the asynchronous mode runs on one machine (the central parameters live in its "
+                  f"shared memory); for several machines {instead}")
+
+
+def refusal(args, state: dict) -> str | None:
+    """Why a checkpoint cannot resume under these flags (checkpoint.prepare_run's `check`): the
+    synchronous and central optimizer states differ, and so do the central rules'."""
+    if state.get("asynchronous", False) != args.asynchronous:
+        how = "with" if state.get("asynchronous") else "without"
+        return (f"checkpoint {args.resume} was trained {how} --asynchronous: its optimizer "
+                "state does not carry over; resume it as it ran")
+    if args.asynchronous and STATS[args.optimizer][0] not in state["optimizer"]:
+        return (f"checkpoint {args.resume} holds another rule's central statistics than "
+                f"--optimizer {args.optimizer}; resume it with the optimizer it ran with")
+    return None
+
+
 def shared(make, world, state: dict | None = None) -> CentralOptimizer:
     """The machine's central optimizer, called by all ranks: rank 0 creates it (`make(state=...)`),
     the others attach (`make(name=...)`), and rank 0 unlinks the names once all have attached
@@ -197,7 +236,8 @@ def shared(make, world, state: dict | None = None) -> CentralOptimizer:
     try:
         name = dist.broadcast_object(central.name if central else None, world)
         central = central or make(name=name)
-        dist.all_gather(None)  # every rank has mapped and opened the files
+        pids = dist.all_gather(os.getpid())  # also: every rank has mapped and opened the files
+        central.peers = {r: pid for r, pid in enumerate(pids) if r != world.rank}
     finally:
         if world.is_main and central is not None:
             central.unlink()

@@ -167,13 +167,18 @@ def _guarded(collective):
             return collective(*args, **kwargs)
         except RuntimeError as e:  # torch.distributed.DistError and gloo's errors are these
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
-            print(f"error: rank {os.environ.get('RANK', 0)}: {collective.__name__} failed: "
-                  f"{first}. Another rank died or made no progress for {_timeout:g} s "
-                  "(--collective-timeout); ending this rank so torchrun can stop or restart the "
-                  "group", file=sys.stderr, flush=True)
-            _run_on_exit()
-            os._exit(1)  # no group clean-up: destroying a broken group can hang
+            abort(f"{collective.__name__} failed: {first}. Another rank died or made no progress "
+                  f"for {_timeout:g} s (--collective-timeout)")
     return run
+
+
+def abort(why: str) -> None:
+    """End this rank at once with one line, after the on_exit clean-ups, so that torchrun can
+    stop or restart the group; no group clean-up: destroying a broken group can hang."""
+    print(f"error: rank {os.environ.get('RANK', 0)}: {why}; ending this rank so torchrun can "
+          "stop or restart the group", file=sys.stderr, flush=True)
+    _run_on_exit()
+    os._exit(1)
 
 
 def on_exit(fn) -> None:

@@ -142,7 +142,7 @@ def assert_stopped_with_checkpoint(run_dir: Path, out: str) -> int:
 # worker, first, then one test at a time) hands tests out in collection order, so a long test
 # collected last would run alone at the end while the other worker idles: the suite's wall time
 # would be its tail, not its total over the workers. Order only: every test still runs.
-LONGEST = ("test_gpu_check.py", "learns_catch", "a3c_killed_rank", "torchrun_two_ranks",
+LONGEST = ("test_gpu_check.py", "learns_catch", "killed_rank", "torchrun_two_ranks",
            "hung_worker", "test_scaling_table", "test_throughput_parts")
 
 

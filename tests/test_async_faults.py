@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from common import central_optim, checkpoint, dist
 from common.async_sampler import AsyncSampler, SamplerDied
-from tests.conftest import run_two_ranks
+from tests.conftest import ROOT, run_two_ranks
 
 
 def _policy(model, obs):
@@ -69,3 +69,56 @@ def test_files_of_a_creator_that_was_killed_are_removed_by_the_next(tmp_path):
     finally:
         central.unlink()
         central.close()
+
+
+
+def test_every_asynchronous_mode_refuses_a_second_machine(monkeypatch, capsys):
+    """The central state lives in one machine's shared memory: a launch whose ranks are not all
+    on this machine (LOCAL_WORLD_SIZE below WORLD_SIZE) is refused with one line, as is
+    --num-chunks 0, by the one check that A3C, APPO and asynchronous DQN call."""
+    from types import SimpleNamespace
+    for script in ("a2c_multigpu", "appo_async", "dqn_multigpu"):
+        assert "central_optim.check(args, world" in (ROOT / "algos" / f"{script}.py").read_text()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    for kwargs, instead in (({}, "drop --asynchronous"),
+                            ({"instead": "use ppo_multigpu.py"}, "use ppo_multigpu.py")):
+        with pytest.raises(SystemExit) as e:
+            central_optim.check(SimpleNamespace(num_chunks=3), SimpleNamespace(world_size=16),
+                                **kwargs)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert "runs on one machine" in err and err.strip().endswith(instead)
+    with pytest.raises(SystemExit):
+        central_optim.check(SimpleNamespace(num_chunks=0), SimpleNamespace(world_size=8))
+    assert "--num-chunks must be positive, got 0" in capsys.readouterr().err
+
+
+def test_a_dead_peer_ends_the_rank_with_one_line_naming_it(tmp_path):
+    """Asynchronous ranks meet only at the logging cadence; each iteration they look whether
+    another rank of the machine has died (ended, or a zombie torchrun has not reaped yet) and end
+    with one line naming it, after the exit clean-ups, instead of running on until torchrun's
+    SIGKILL. A live peer changes nothing."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process
+    zombie = subprocess.Popen(["true"])  # never waited for here: a zombie once it ends
+    code = f"""if True:
+        import torch
+        from common import central_optim, dist
+        c = central_optim.CentralOptimizer([torch.zeros(3)], 1, folder=__import__("pathlib").Path({str(tmp_path)!r}))
+        dist.on_exit(lambda: print("clean-up ran", flush=True))
+        c.peers = {{1: {os.getpid()}}}
+        c.check_peers()
+        print("live peer: went on", flush=True)
+        c.peers = {{1: {zombie.pid}, 2: {dead.pid}}}
+        import time; time.sleep(0.5)
+        c.check_peers()
+        print("not reached")
+        """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    zombie.wait()
+    assert out.returncode == 1, out.stderr
+    assert out.stdout == "live peer: went on\nclean-up ran\n"
+    assert out.stderr == (f"error: rank 0: rank 1 (pid {zombie.pid}) died; ending this rank so "
+                          "torchrun can stop or restart the group\n")
