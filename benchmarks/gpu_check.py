@@ -1,13 +1,12 @@
-"""Every GPU path of accelrl and its headline numbers, in one call that fits a short GPU loan.
+"""Every GPU path of accelrl and its headline numbers, in one call of at most 8 minutes.
 
-    python benchmarks/gpu_check.py                        # on a lent GPU: at most 8 minutes
+    python benchmarks/gpu_check.py                        # on a GPU: at most 8 minutes
     python benchmarks/gpu_check.py --no-cuda --quick      # the same steps on a CPU, small: on
                                                           # 2 cores about 200 s of CPU time
     python benchmarks/gpu_check.py --steps ppo dqn --timeouts dqn=120
 
-On a lent GPU (one H200, 16 cores, about 15 minutes of device time) run the first line as the
-only command, with a command timeout of 600 s: the step timeouts below add up to 8 minutes, the
-rest is start-up. Each step runs in its own process group under its own timeout (a step is
+On a machine with one GPU and 16 cores, the first line takes at most 8 minutes (give it a
+command timeout of 600 s): the step timeouts below add up to 8 minutes, the rest is start-up. Each step runs in its own process group under its own timeout (a step is
 `gpu_check.py --step NAME`, this file run again), so a crash or a hang costs that step only: the
 others still run, and the exit code is 1 if any step failed or timed out.
 
@@ -559,7 +558,7 @@ def with_ratios(steps: list[dict]) -> float | None:
 
 
 def targets(steps: list[dict], ceiling: float | None) -> list[dict]:
-    """The issue's targets as read from this run (met: None where not measured or a figure)."""
+    """The GPU targets as read from this run (met: None where not measured or a figure)."""
     v = {r["key"]: r["value"] if r["value"] is not None else r["steps_per_s"]
          for s in steps for r in s["rows"] if r["key"]}
     div = lambda a, b: a / b if a is not None and b else None  # noqa: E731

@@ -1,7 +1,7 @@
 """The GPU rules that can be checked without a GPU (device count and synchronize faked): which
 GPU a rank takes, the refusal of layouts NCCL would reject, experiment slots from an inherited
 CUDA_VISIBLE_DEVICES, phase timers that wait for the device, and CUDA RNG state only for runs on
-a GPU. benchmarks/gpu_check.py exercises the real thing on a lent GPU."""
+a GPU. benchmarks/gpu_check.py exercises the real thing on a GPU."""
 
 import pytest
 import torch
