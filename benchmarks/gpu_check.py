@@ -29,7 +29,7 @@ Measurements come from benchmarks/throughput.py (run_parts) and throughput_parts
 (run_e2e: steady steps/s over progress lines 2+, phase shares from summary.json); this file only
 chooses sizes, runs the steps and collects one table.
 
-Targets (from the issue; figures to read, not tests):
+Targets (figures to read, not tests):
   PPO and A2C end to end >= 70% of the ALE ceiling measured in the same run;
   alternating >= 1.3x plain where inference and simulation take similar time (see the phases);
   DQN-512 and CatDQN-2048 updates/s; sampling 512 from 1M on the GPU < 5% of an update.
