@@ -377,8 +377,11 @@ def main() -> None:
                                             if central else global_step)
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
+        # Asynchronous ranks meet only to log: one that got a signal skips its updates (no step
+        # is credited) to reach the meeting, where all stop together, within torchrun's 30 s grace.
         learn_t0, seconds = dist.clock(device), 0.0
-        if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
+        if global_step >= counters["learn_from"] and replay.num_valid() > 0 and not (
+                central is not None and stop.signal):  # the same on all ranks if synchronous
             beta = args.priority_beta + (1 - args.priority_beta) * min(
                 1.0, central_step / args.total_timesteps)
             for _ in range(replay_shard.updates_due(counters, args, global_batch, world.world_size)):
