@@ -85,6 +85,7 @@ class RunData:
     # (env steps, hours since the first event, mean score of the evaluation's games)
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     last_step: int | None = None  # the run's last logged step, finished game or not
+    started: float = 0.0  # Unix time of the run's first event, where "hours" count from
 
     @property
     def hns(self) -> float | None:
@@ -141,7 +142,7 @@ def load_run(run_dir: Path) -> RunData:
                 *(e[0] for e in evals)]) if (summary or steps or episodes or evals) else None
     return RunData(run_dir, run_args.get("env_id", "?"), config_label(run_dir),
                    int(run_args.get("seed", 0)), summary.get("mean_return_last100"), episodes,
-                   evals, last)
+                   evals, last, t0)
 
 
 def running_mean(values: np.ndarray, window: int) -> np.ndarray:

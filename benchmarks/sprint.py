@@ -1,0 +1,337 @@
+"""Pong in minutes: PPO's sprint recipe trained for a wall-clock budget, and when it got there.
+
+    python benchmarks/sprint.py --minutes 3                      # one GPU: Pong, 4 envs per core
+    python benchmarks/sprint.py --minutes 60 --no-cuda           # a CPU: the same recipe
+    python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \\
+        --targets 0 0.9 --window 20 --extra "--num-steps 32 --learning-rate 1e-3"
+
+The recipe (`recipe()`, README "Pong in minutes") is algos/ppo_multigpu.py with settings chosen
+for wall-clock time on one GPU fed by many cores, each with its source:
+  environments   4 per core (--envs-per-core; cores: those this process may use), so the same
+                 command sizes itself for 16 cores (64 envs) and for 2 (8 envs): enough per
+                 emulator thread that none waits on a slow one (gpu_check.py's ceiling uses 4)
+  rollout        128 steps per environment (PPO paper, CleanRL's ppo_atari and its envpool
+                 recipe "Learn Pong-v5 in ~5-10 mins")
+  minibatches    of 256 samples, as many as the batch holds (the PPO paper's 4 x 256 at 8 envs;
+                 CleanRL's envpool recipe: 8 x 256 at 16): the gradient steps per sample stay
+                 those of the published recipes whatever the core count, and on a GPU the extra
+                 minibatches of a larger batch cost little beside the emulators
+  epochs         4 (CleanRL's ppo_atari, baselines' ppo2; the envpool recipes take 3)
+  clipping       0.2 (CleanRL's envpool Pong recipe and rl_games' ppo_pong_envpool.yaml; the
+                 PPO paper's Atari 0.1 learns Pong more slowly per step)
+  learning rate  2.5e-4 (PPO paper, CleanRL), constant: the run ends on the clock, not at a
+                 step count an annealing could aim at (CleanRL anneals to 0 over 10M steps, which
+                 in the first 2M steps is within 20% of constant)
+  --alternate, --compile  off: the alternating sampler pays only where inference takes as long
+                 as simulation (gpu_check.py's "alternating/plain" row says whether it does on a
+                 machine), and --compile's compilation would count against the budget
+Training evaluates nothing (its time would count); a final evaluation of whole games follows.
+
+What it reports (printed, and in the output folder): time from launch (start-up included) to a
+mean true game score (unclipped, all lives) of each --targets value over the last --window games
+(default 18 and 20 over 100), or "not reached"; the steps used and steps/s (summary.json's, and
+over the whole budget); the final evaluation's mean over --eval-episodes whole games
+(benchmarks/evaluate.py, games cut at 27,000 steps = 108,000 frames only); the curve of score
+against wall-clock seconds and environment steps as sprint.png and sprint.csv (one row per game),
+drawn from the run's TensorBoard events; sprint.json with all of it and the hardware line.
+
+The budget: the training run gets SIGTERM when --minutes have passed since its launch, then
+checkpoints and stops (up to 120 s allowed, then it is killed). Output: a folder
+sprint-<host>-<device> under runs/benchmarks/ (the next free -2, -3, ... when taken) holding the
+run directory, train.log and the files above; an --out that exists is refused, never written
+into. Bad input ends in one line on stderr and exit code 2; a training run that fails in exit 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import outputs  # noqa: E402
+
+PPO = ROOT / "algos" / "ppo_multigpu.py"
+MINIBATCH = 256  # samples per minibatch (PPO paper: 4 x 256 from 8 actors x 128 steps)
+EVAL_MAX_STEPS = 27_000  # 108,000 frames: games that long are cut, none shorter
+STOP_GRACE = 120.0  # seconds the run gets to checkpoint and stop after SIGTERM
+
+
+@dataclass
+class Args:
+    minutes: float = 5.0
+    """wall-clock budget from the training run's launch, start-up included"""
+    env_id: str = "Pong-v5"
+    """the game (any id ppo_multigpu.py takes)"""
+    cuda: bool = True
+    """train on the GPU when one is visible; --no-cuda: on the CPU"""
+    envs_per_core: int = 4
+    """environments per CPU core"""
+    cores: int | None = None
+    """cores to size the recipe for; default: those this process may run on"""
+    targets: tuple[float, ...] = (18.0, 20.0)
+    """mean game scores to time"""
+    window: int = 100
+    """games in the running mean the targets are read from"""
+    eval_episodes: int = 16
+    """whole games in the final evaluation; 0: none"""
+    seed: int = 1
+    """the run's seed"""
+    extra: str = ""
+    """more ppo_multigpu.py flags as one string, after the recipe's (so they win)"""
+    out: str | None = None
+    """output folder, which must not exist; default runs/benchmarks/sprint-<host>-<device>"""
+
+
+class UsageError(ValueError):
+    """Input a user can fix: one line, exit 2."""
+
+
+def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
+    """ppo_multigpu.py's flags for the sprint on this many cores (sources in the docstring)."""
+    envs = envs_per_core * cores
+    batch = envs * 128
+    return ["--num-envs", str(envs), "--num-steps", "128",
+            "--num-minibatches", str(max(1, batch // MINIBATCH)), "--update-epochs", "4",
+            "--clip-coef", "0.2", "--learning-rate", "2.5e-4", "--no-anneal-lr"]
+
+
+def time_to(games: list[tuple[float, int, float]], target: float, window: int) -> dict | None:
+    """The first game after which the mean of the last `window` games (a full window) is at
+    least `target`: its seconds, step and index; None when no such game exists.
+    games: (seconds since launch, env step, score), in the order they were logged."""
+    total = 0.0
+    for i, (_, _, score) in enumerate(games):
+        total += score
+        if i >= window:
+            total -= games[i - window][2]
+        if i + 1 >= window and total / window >= target - 1e-9:
+            seconds, step, _ = games[i]
+            return {"seconds": seconds, "step": step, "games": i + 1,
+                    "mean": total / window}
+    return None
+
+
+def running_means(scores: list[float], window: int) -> list[float]:
+    """The mean of the last `window` scores at each game (fewer at the start)."""
+    from benchmarks.plot import running_mean
+    import numpy as np
+
+    return running_mean(np.asarray(scores, dtype=float), window).tolist() if scores else []
+
+
+def out_folder(args: Args, device: str) -> Path:
+    if args.out:
+        folder = Path(args.out).resolve()
+        if folder.exists():
+            raise UsageError(f"--out {folder} exists; name a new folder (nothing is overwritten)")
+    else:
+        folder = outputs.unused(outputs.RUNS / f"sprint-{outputs.host()}-{device}")
+    try:
+        folder.mkdir(parents=True)
+    except OSError as e:
+        raise UsageError(f"cannot create --out {folder}: {e.strerror or e}") from None
+    return folder
+
+
+def check(args: Args) -> int:
+    """The cores to size for, after refusing input no run could use."""
+    cores = args.cores if args.cores is not None else len(os.sched_getaffinity(0))
+    if not args.minutes > 0:
+        raise UsageError(f"--minutes must be > 0, got {args.minutes:g}")
+    if cores < 1 or args.envs_per_core < 1:
+        raise UsageError(f"--cores and --envs-per-core must be >= 1, got {cores} and "
+                         f"{args.envs_per_core}")
+    if not args.targets:
+        raise UsageError("--targets needs at least one score")
+    if args.window < 1 or args.eval_episodes < 0:
+        raise UsageError(f"--window must be >= 1 and --eval-episodes >= 0, got {args.window} "
+                         f"and {args.eval_episodes}")
+    try:
+        shlex.split(args.extra)
+    except ValueError as e:
+        raise UsageError(f"--extra is not a valid flag string: {e}") from None
+    return cores
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (it checkpoints and stops); SIGKILL after the grace."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+def train(cmd: list[str], log: Path, budget_s: float) -> tuple[float, float, int, bool]:
+    """Run the training command for the budget; (launch time, seconds run, exit code, whether
+    the budget stopped it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as f:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=budget_s)
+            stopped = False
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            stopped = True
+        except BaseException:  # Ctrl-C: leave no run behind
+            stop(proc)
+            raise
+    return launched, time.time() - launched, proc.returncode, stopped
+
+
+def evaluate(run_dir: Path, episodes: int, cuda: bool, log: Path) -> dict:
+    """benchmarks/evaluate.py on the run's newest checkpoint; its eval.json's figures."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "evaluate.py"), str(run_dir),
+           "--episodes", str(episodes), "--envs", str(min(episodes, 8)),
+           *([] if cuda else ["--no-cuda"])]
+    with open(log, "a") as f:
+        f.write(f"\n$ {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    found = sorted((run_dir / "checkpoints").glob("eval*.json"), key=lambda p: p.stat().st_mtime)
+    if rc or not found:
+        return {"error": f"evaluate.py exited {rc}; see {log}"}
+    e = json.loads(found[-1].read_text())
+    cut = sum(n >= EVAL_MAX_STEPS for n in e["lengths"])
+    return {"mean": e["mean_return"], "std": e["std_return"], "games": len(e["returns"]),
+            "cut_games": cut, "returns": e["returns"], "lengths": e["lengths"]}
+
+
+def plot(path: Path, games: list[tuple[float, int, float]], means: list[float],
+         report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, x, label in ((axes[0], [g[0] / 60 for g in games], "wall-clock minutes from launch"),
+                         (axes[1], [g[1] for g in games], "environment steps")):
+        ax.plot(x, [g[2] for g in games], ".", ms=2, alpha=0.3, color="gray", label="games")
+        ax.plot(x, means, "-", label=f"mean of last {report['window']} games")
+        for t in report["targets"]:
+            ax.axhline(t["target"], ls=":", color="k", lw=0.8)
+        ax.set_xlabel(label)
+        ax.set_ylabel("game score")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    reached = ", ".join(f"{t['target']:g} in {t['minutes']:.1f} min" if t["minutes"] is not None
+                        else f"{t['target']:g} not reached" for t in report["targets"])
+    fig.suptitle(f"{report['env_id']} sprint, {report['minutes']:g} min budget: {reached}\n"
+                 f"{report['hardware']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def markdown(r: dict) -> str:
+    lines = [f"{r['env_id']} sprint, {r['minutes']:g}-minute budget, {r['envs']} envs "
+             f"({r['cores']} cores x {r['envs_per_core']}); {r['hardware']}", "",
+             "| target | time from launch | steps | games |", "|---|---|---|---|"]
+    for t in r["targets"]:
+        lines.append(f"| {t['target']:g} (mean of last {r['window']}) | "
+                     + (f"{t['minutes']:.2f} min | {t['step']:,} | {t['games']:,} |"
+                        if t["minutes"] is not None else "not reached | | |"))
+    ev = r["final_eval"]
+    lines += ["", f"- steps used: {r['steps']:,} in {r['train_seconds']:.0f} s "
+                  f"({r['steps_per_s_overall']:,.0f} steps/s over the budget, "
+                  f"{r['steps_per_s_training']:,.0f} in training, summary.json)",
+              f"- games played: {r['games']:,}; last mean of {r['window']}: "
+              + ("n/a" if r["last_mean"] is None else f"{r['last_mean']:.2f}"),
+              "- final evaluation: " + ("not run" if ev is None else ev["error"] if "error" in ev
+                                        else f"{ev['mean']:.2f} +- {ev['std']:.2f} over "
+                                             f"{ev['games']} games ({ev['cut_games']} cut)")]
+    return "\n".join(lines) + "\n"
+
+
+def hardware(cuda: bool) -> tuple[str, str]:
+    """(device, hardware line) as the other benchmarks write it."""
+    import torch
+
+    from benchmarks.throughput_parts.measure import hardware as hw
+
+    device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
+    return device, hw(torch.device(device))["line"]
+
+
+def main() -> None:
+    args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    try:
+        cores = check(args)
+        device, hw_line = hardware(args.cuda)
+        folder = out_folder(args, device)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    run_dir, log = folder / "run", folder / "train.log"
+    flags = recipe(cores, args.envs_per_core)
+    cmd = [sys.executable, str(PPO), "--env-id", args.env_id, "--seed", str(args.seed), *flags,
+           "--total-timesteps", str(10**10), "--eval-episodes", "0",
+           "--eval-max-steps", str(EVAL_MAX_STEPS), "--run-dir", str(run_dir),
+           *([] if device == "cuda" else ["--no-cuda"]), *shlex.split(args.extra)]
+    print(f"{hw_line}\n$ {shlex.join(cmd)}\ntraining for {args.minutes:g} min; log {log}",
+          flush=True)
+    launched, seconds, rc, stopped = train(cmd, log, args.minutes * 60)
+    if rc != 0 or not (run_dir / "summary.json").is_file():
+        last = (log.read_text().strip().splitlines() or ["(no output)"])[-1]
+        print(f"error: training exited {rc}: {last} (log {log})", file=sys.stderr)
+        sys.exit(1)
+
+    from benchmarks.plot import load_run
+
+    data = load_run(run_dir)
+    offset = data.started - launched  # the first event's time after launch
+    games = [(h * 3600 + offset, step, score) for step, h, score in data.episodes]
+    means = running_means([g[2] for g in games], args.window)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = summary["global_step"]
+    report = {
+        "env_id": args.env_id, "minutes": args.minutes, "hardware": hw_line, "device": device,
+        "cores": cores, "envs_per_core": args.envs_per_core,
+        "envs": cores * args.envs_per_core, "recipe": flags, "command": cmd,
+        "stopped_by_budget": stopped, "train_seconds": seconds, "steps": steps,
+        "steps_per_s_overall": steps / seconds, "steps_per_s_training": summary.get("sps"),
+        "games": len(games), "window": args.window,
+        "last_mean": means[-1] if len(games) >= args.window else None,
+        "targets": [], "final_eval": None}
+    for target in args.targets:
+        hit = time_to(games, target, args.window)
+        report["targets"].append({"target": target, **(
+            {"minutes": hit["seconds"] / 60, "seconds": hit["seconds"], "step": hit["step"],
+             "games": hit["games"]} if hit else
+            {"minutes": None, "seconds": None, "step": None, "games": None})})
+    if args.eval_episodes:
+        print(f"final evaluation: {args.eval_episodes} whole games ...", flush=True)
+        report["final_eval"] = evaluate(run_dir, args.eval_episodes, device == "cuda", log)
+
+    with open(folder / "sprint.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["game", "seconds", "step", "score", f"mean_last_{args.window}"])
+        for i, ((s, step, score), m) in enumerate(zip(games, means), 1):
+            w.writerow([i, f"{s:.2f}", step, score, f"{m:.4f}"])
+    plot(folder / "sprint.png", games, means, report)
+    report["table_markdown"] = markdown(report)
+    (folder / "sprint.json").write_text(json.dumps(report, indent=2))
+    print("\n" + report["table_markdown"] + f"\nwrote sprint.json, sprint.csv, sprint.png in "
+          f"{folder}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
