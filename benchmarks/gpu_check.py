@@ -11,6 +11,9 @@ command timeout of 600 s): the step timeouts below add up to 8 minutes, the rest
 others still run, and the exit code is 1 if any step failed or timed out.
 
 Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling):
+  sprint     benchmarks/sprint.py: PPO's sprint recipe on Pong for 3 minutes from launch (4 envs
+             per core), minutes to a mean score of 18 and 20 over 100 games, and a final
+             evaluation of 8 whole games (--quick: 15 s on the synthetic Catch game)
   ale        raw ALE on all cores (AtariVectorEnv, random actions, 4 envs per core), and the
              sampler with a trivial policy on the same envs, in interleaved blocks: the ceiling
              every other rate is compared with (benchmarks/throughput.py's ppo part, raw only)
@@ -82,8 +85,8 @@ class Args:
     out: str | None = None
     """folder for the JSON, the table and the step folder; default runs/benchmarks"""
     steps: tuple[str, ...] = ()
-    """steps to run, in their usual order (none named: all): ale sampler ppo a2c dqn catdqn appo
-    resume two_ranks"""
+    """steps to run, in their usual order (none named: all): sprint ale sampler ppo a2c dqn catdqn
+    appo resume two_ranks"""
     timeouts: tuple[str, ...] = ()
     """per-step timeouts as NAME=SECONDS (e.g. dqn=120), replacing the defaults"""
     step: str | None = None
@@ -95,6 +98,7 @@ class Args:
 @dataclass(frozen=True)
 class Sizes:
     """Budgets of one mode: the GPU's fit its step timeouts, the quick ones a 2-core CPU."""
+    sprint: tuple[str, ...]  # benchmarks/sprint.py's flags
     envs: int  # the ceiling's envs, also PPO's, A2C's and APPO's
     num_steps: int  # PPO's rollout length
     appo_steps: int  # APPO's (its learner keeps 4 epochs x 4 minibatches)
@@ -117,14 +121,18 @@ def cores() -> int:
 def sizes(quick: bool) -> Sizes:
     envs = 4 * cores()  # enough per emulator thread that none waits on a slow one
     if quick:  # learning dominates on a CPU: one PPO epoch, few updates per 2,048-step log line
-        return Sizes(envs=envs, num_steps=16, appo_steps=8, seconds=0.5, e2e_seconds=0.5,
+        return Sizes(sprint=("--env-id", "tests.catch_env:Catch-v0", "--minutes", "0.25",
+                             "--window", "20", "--targets", "0", "2", "--eval-episodes", "4",
+                             "--extra=--num-steps 32 --learning-rate 1e-3"),
+                     envs=envs, num_steps=16, appo_steps=8, seconds=0.5, e2e_seconds=0.5,
                      replay=10_000, batch=64, cat_batch=64, repeats=2,
                      ppo_flags=("--update-epochs", "1", "--num-minibatches", "1"),
                      a2c_flags=("--num-steps", str(max(5, 2048 // envs))),  # one update a line
                      q_flags=("--num-envs", "16", "--num-steps", "16", "--replay-ratio", "0.25",
                               "--learning-starts", "1024", "--replay-size", "10000"),
                      small=(4, 16, 128))
-    return Sizes(envs=envs, num_steps=128, appo_steps=128, seconds=3.0, e2e_seconds=5.0,
+    return Sizes(sprint=("--minutes", "3", "--eval-episodes", "8"),
+                 envs=envs, num_steps=128, appo_steps=128, seconds=2.0, e2e_seconds=3.0,
                  replay=1_000_000, batch=512, cat_batch=2048, repeats=20, ppo_flags=(),
                  a2c_flags=(), q_flags=("--num-envs", "16", "--learning-starts", "2048",
                                         "--replay-size", "200000"), small=(8, 32, 1024))
@@ -232,6 +240,25 @@ def small_ppo(c) -> list[str]:
 
 
 # ---- the steps ----
+
+def step_sprint(c) -> list[dict]:
+    out = c.work / "runs" / "sprint"
+    launch([sys.executable, str(ROOT / "benchmarks" / "sprint.py"), *c.s.sprint, "--out", str(out),
+            "--cuda" if c.cuda else "--no-cuda"], "sprint")
+    r = c.results["sprint"] = json.loads((out / "sprint.json").read_text())
+    game = r["env_id"].split(":")[-1]
+    rows = [row(f"{game} sprint: mean of last {r['window']} games >= {t['target']:g}", None,
+                key=f"sprint_{t['target']:g}", value=t["minutes"],
+                notes="not reached" if t["minutes"] is None else
+                f"{t['minutes']:.2f} min from launch, step {t['step']:,}")
+            for t in r["targets"]]
+    ev = r["final_eval"] or {}
+    rows.append(row(f"{game} sprint: {r['minutes']:g} min, {r['envs']} envs",
+                    r["steps_per_s_overall"], vs_ceiling=False,
+                    notes=f"{r['steps']:,} steps; final evaluation "
+                    + (f"{ev['mean']:.2f} over {ev['games']} games" if "mean" in ev else "n/a")))
+    return rows
+
 
 def step_ale(c) -> list[dict]:
     from benchmarks.throughput_parts import ppo as ppo_part
@@ -395,17 +422,19 @@ def step_two_ranks(c) -> list[dict]:
 
 
 # name: (what it runs, its timeout on the GPU in seconds, the function); the timeouts add up to
-# 480 s (tests/test_gpu_check.py checks it), so the whole check fits in a 10-minute command.
+# 480 s (tests/test_gpu_check.py checks it), so the whole check fits in a 10-minute command. The
+# sprint's 3 minutes leave the throughput steps 250 s: their measurements are 2-3 s each.
 STEPS = {
-    "ale": ("raw ALE ceiling and the trivial sampler", 25, step_ale),
-    "sampler": ("sampler with PPO's network, PPO's learner", 35, step_sampler),
-    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 80, step_ppo),
-    "a2c": ("A2C end to end, plain and alternating", 55, step_a2c),
-    "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay)", 75, step_dqn),
-    "catdqn": ("C51 projection, learners, end to end", 50, step_catdqn),
-    "appo": ("APPO sampler process, central Adam, end to end", 90, step_appo),
-    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 35, step_resume),
-    "two_ranks": ("2 ranks sharing the GPU over gloo", 35, step_two_ranks),
+    "sprint": ("PPO's Pong sprint: minutes to 18 and 20, final evaluation", 230, step_sprint),
+    "ale": ("raw ALE ceiling and the trivial sampler", 15, step_ale),
+    "sampler": ("sampler with PPO's network, PPO's learner", 20, step_sampler),
+    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 45, step_ppo),
+    "a2c": ("A2C end to end, plain and alternating", 25, step_a2c),
+    "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay)", 40, step_dqn),
+    "catdqn": ("C51 projection, learners, end to end", 25, step_catdqn),
+    "appo": ("APPO sampler process, central Adam, end to end", 40, step_appo),
+    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 20, step_resume),
+    "two_ranks": ("2 ranks sharing the GPU over gloo", 20, step_two_ranks),
 }
 
 
@@ -562,7 +591,10 @@ def targets(steps: list[dict], ceiling: float | None) -> list[dict]:
     v = {r["key"]: r["value"] if r["value"] is not None else r["steps_per_s"]
          for s in steps for r in s["rows"] if r["key"]}
     div = lambda a, b: a / b if a is not None and b else None  # noqa: E731
-    out = []
+    out = [("Sprint: minutes from launch to a mean of 18 over 100 games", v.get("sprint_18"),
+            "<", 3.0),
+           ("Sprint: minutes from launch to a mean of 20 over 100 games", v.get("sprint_20"),
+            "<", 5.0)]
     for algo in ("ppo", "a2c"):
         for alt in ("plain", "alternating"):
             out.append((f"{algo.upper()} {alt} end to end / ALE ceiling",

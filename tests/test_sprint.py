@@ -1,0 +1,115 @@
+"""benchmarks/sprint.py: the recipe's sizes, the time-to-score reading against a reference
+computation, a short sprint on the synthetic Catch game (report, PNG, CSV, a target reached and
+one not), and one-line refusals that write nothing."""
+
+import csv
+import json
+
+import pytest
+import tyro
+
+from tests.conftest import ROOT, load_algo, run_python
+
+from benchmarks import sprint  # noqa: E402
+
+CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--no-cuda", "--window", "20",
+         "--extra=--num-steps 32 --learning-rate 1e-3")
+
+
+def run_sprint(*args: str, timeout: float = 300):
+    return run_python(ROOT / "benchmarks" / "sprint.py", *args, timeout=timeout)
+
+
+def flag(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+@pytest.mark.parametrize("cores, envs, minibatches", [(2, 8, 4), (16, 64, 32)])
+def test_recipe_scales_envs_with_cores_and_keeps_minibatches_of_256(cores, envs, minibatches):
+    flags = sprint.recipe(cores)
+    assert int(flag(flags, "--num-envs")) == envs
+    assert int(flag(flags, "--num-minibatches")) == minibatches
+    batch = int(flag(flags, "--num-envs")) * int(flag(flags, "--num-steps"))
+    assert batch // minibatches == 256 and batch % minibatches == 0
+    assert "--no-anneal-lr" in flags and flag(flags, "--clip-coef") == "0.2"
+    a = tyro.cli(load_algo("ppo_multigpu").Args, args=flags)  # flags the script takes
+    assert (a.num_envs, a.num_minibatches, a.update_epochs, a.anneal_lr) == (envs, minibatches,
+                                                                             4, False)
+
+
+def reference_time_to(games, target, window):
+    for i in range(window - 1, len(games)):
+        mean = sum(g[2] for g in games[i - window + 1:i + 1]) / window
+        if mean >= target:
+            return games[i][0], games[i][1], i + 1
+    return None
+
+
+def test_time_to_matches_a_reference_and_needs_a_full_window():
+    rng = __import__("random").Random(0)
+    games = [(0.5 * i, 100 * i, rng.choice([-1.0, 1.0]) + i / 200) for i in range(400)]
+    for target in (-0.5, 0.0, 0.5, 1.0, 1.5, 2.5):
+        hit, ref = sprint.time_to(games, target, 20), reference_time_to(games, target, 20)
+        assert (hit and (hit["seconds"], hit["step"], hit["games"])) == (ref or None), target
+    # a high first game is not a mean of 3
+    assert sprint.time_to([(1, 1, 30.0), (2, 2, 0.0), (3, 3, 0.0)], 10.0, 3)["games"] == 3
+    assert sprint.time_to([(1, 1, 30.0), (2, 2, 0.0)], 10.0, 3) is None
+    assert sprint.running_means([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.slow
+def test_sprint_on_catch_reports_times_and_writes_png_and_csv(tmp_path):
+    """A 20-second budget: -0.95 (a random policy's mean is about -0.6) is reached, 2 never."""
+    out = tmp_path / "s"
+    proc = run_sprint(*CATCH, "--minutes", "0.33", "--targets", "-0.95", "2",
+                      "--eval-episodes", "4", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((out / "sprint.json").read_text())
+    assert r["stopped_by_budget"] and r["envs"] == r["cores"] * 4 == 4 * len(
+        __import__("os").sched_getaffinity(0))
+    assert r["steps"] > 0 and r["steps_per_s_overall"] > 0 and r["games"] >= 20
+    assert 0 < r["train_seconds"] < 0.33 * 60 + sprint.STOP_GRACE
+    rows = list(csv.DictReader(open(out / "sprint.csv")))
+    assert len(rows) == r["games"]
+    reached, missed = r["targets"]
+    assert missed == {"target": 2.0, "minutes": None, "seconds": None, "step": None,
+                      "games": None}
+    games = [(float(x["seconds"]), int(x["step"]), float(x["score"])) for x in rows]
+    ref = reference_time_to(games, -0.95, 20)
+    assert (round(reached["seconds"], 2), reached["step"], reached["games"]) == ref
+    assert 0 < reached["seconds"] <= r["train_seconds"]
+    ev = r["final_eval"]
+    assert ev["games"] == 4 and ev["cut_games"] == 0 and -1 <= ev["mean"] <= 1
+    assert (out / "sprint.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "not reached" in proc.stdout and "| -0.95 (mean of last 20) |" in proc.stdout
+    assert (out / "run" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--minutes", "0"), "--minutes must be > 0"),
+    (("--targets",), "--targets needs at least one score"),
+    (("--window", "0"), "--window must be >= 1"),
+    (("--cores", "0"), "--cores and --envs-per-core must be >= 1"),
+    (("--extra", "'unclosed"), "--extra is not a valid flag string"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path):
+    proc = run_sprint("--no-cuda", "--out", str(tmp_path / "s"), *args, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {proc.stderr.strip()[7:]}"] and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_existing_out_is_refused_untouched(tmp_path):
+    (tmp_path / "mine.txt").write_text("a user's file")
+    proc = run_sprint("--no-cuda", "--minutes", "1", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "exists" in proc.stderr and len(
+        proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+def test_a_failing_training_run_ends_in_one_line(tmp_path):
+    proc = run_sprint("--no-cuda", "--minutes", "1", "--env-id", "NoSuchGame-v5",
+                      "--out", str(tmp_path / "s"), timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: training exited") and "NoSuchGame" in line, line
