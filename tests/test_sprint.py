@@ -113,3 +113,12 @@ def test_a_failing_training_run_ends_in_one_line(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: training exited") and "NoSuchGame" in line, line
+
+
+def test_default_out_takes_the_next_free_name_under_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(sprint.outputs, "RUNS", tmp_path)
+    first = sprint.out_folder(sprint.Args(), "cpu")
+    (first / "mine.txt").write_text("kept")
+    second = sprint.out_folder(sprint.Args(), "cpu")
+    assert first.parent == second.parent == tmp_path and second.name == first.name + "-2"
+    assert (first / "mine.txt").read_text() == "kept" and not list(second.iterdir())
