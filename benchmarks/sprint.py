@@ -221,11 +221,15 @@ def plot(path: Path, games: list[tuple[float, int, float]], means: list[float],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # the mean as it stood after each log call (the games of one call share its time and step)
+    ends = [i for i in range(len(games)) if i + 1 == len(games) or games[i + 1][1] != games[i][1]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, x, label in ((axes[0], [g[0] / 60 for g in games], "wall-clock minutes from launch"),
-                         (axes[1], [g[1] for g in games], "environment steps")):
-        ax.plot(x, [g[2] for g in games], ".", ms=2, alpha=0.3, color="gray", label="games")
-        ax.plot(x, means, "-", label=f"mean of last {report['window']} games")
+    for ax, k, scale, label in ((axes[0], 0, 1 / 60, "wall-clock minutes from launch"),
+                                (axes[1], 1, 1, "environment steps")):
+        ax.plot([g[k] * scale for g in games], [g[2] for g in games], ".", ms=2, alpha=0.3,
+                color="gray", label="games")
+        ax.plot([games[i][k] * scale for i in ends], [means[i] for i in ends], "-",
+                label=f"mean of last {report['window']} games")
         for t in report["targets"]:
             ax.axhline(t["target"], ls=":", color="k", lw=0.8)
         ax.set_xlabel(label)
