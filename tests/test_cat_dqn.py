@@ -217,17 +217,20 @@ def test_two_ranks_on_half_batches_equal_one_process_on_the_whole(tmp_path):
 @pytest.mark.slow
 def test_cat_dqn_learns_catch(tmp_path):
     """A random policy scores about -0.6 to -0.7 on Catch; C51 (3-step, 51 atoms on [-10, 10])
-    catches most balls after about 1,200 updates of 32. Seed 1 gave 0.78 here."""
+    catches most balls after about 1,800 updates of 32: seeds 1 to 5 gave 0.98, 0.68, 0.86, 0.98,
+    0.80 over the last 100 games (evaluation 1.00 in all five). At 10,000 steps (1,192 updates) the
+    same seed 1 gave 0.78 on an Intel VM and 0.54 on an AMD one (repeatable on one machine only),
+    seeds 2 and 3 -0.06 and 0.22: the budget, not the threshold, gives the margin."""
     run = tmp_path / "run"
     run_script("cat_dqn", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
-               "--total-timesteps", "10000", "--num-envs", "8", "--num-steps", "4",
+               "--total-timesteps", "15000", "--num-envs", "8", "--num-steps", "4",
                "--replay-size", "20000", "--learning-starts", "500", "--batch-size", "32",
                "--replay-ratio", "4", "--learning-rate", "1e-3", "--adam-eps", "3e-4",
                "--n-step", "3", "--eps-decay-steps", "3000", "--eps-end", "0.02",
                "--target-update-interval", "400", "--eval-interval", "0", "--run-dir", str(run),
                timeout=900)
     s = read_summary(run)
-    assert s["episodes"] > 1500 and s["updates"] == 1192
+    assert s["episodes"] > 2250 and s["updates"] == 1816
     assert s["mean_return_last100"] > 0.6
 
 
