@@ -238,6 +238,7 @@ def shared(make, world, state: dict | None = None) -> CentralOptimizer:
         central = central or make(name=name)
         pids = dist.all_gather(os.getpid())  # also: every rank has mapped and opened the files
         central.peers = {r: pid for r, pid in enumerate(pids) if r != world.rank}
+        dist.name_dead_peer = central.check_peers  # a failed meeting then names the dead rank
     finally:
         if world.is_main and central is not None:
             central.unlink()

@@ -157,6 +157,7 @@ _made_group = False  # this process joined a group: finish() and fail() end it w
 _io_group = None  # gloo, with IO_GRACE more: the collectives that wait for checkpoint writes
 _compile = False  # some network was compiled (compiled())
 _exit_fns: list = []  # on_exit()
+name_dead_peer = None  # set by central_optim: ends this rank naming a peer that died, if one did
 
 
 def _guarded(collective):
@@ -166,6 +167,10 @@ def _guarded(collective):
         try:
             return collective(*args, **kwargs)
         except RuntimeError as e:  # torch.distributed.DistError and gloo's errors are these
+            if name_dead_peer is not None:  # the likeliest cause: name it, not gloo's socket
+                name_dead_peer()
+                time.sleep(0.5)  # a killed peer's sockets close just before it turns zombie
+                name_dead_peer()
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:300]
             abort(f"{collective.__name__} failed: {first}. Another rank died or made no progress "
                   f"for {_timeout:g} s (--collective-timeout)")

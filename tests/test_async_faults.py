@@ -122,3 +122,32 @@ def test_a_dead_peer_ends_the_rank_with_one_line_naming_it(tmp_path):
     assert out.stdout == "live peer: went on\nclean-up ran\n"
     assert out.stderr == (f"error: rank 0: rank 1 (pid {zombie.pid}) died; ending this rank so "
                           "torchrun can stop or restart the group\n")
+
+
+def test_a_failed_meeting_names_the_dead_peer_not_the_socket(tmp_path):
+    """When a peer is killed just as the asynchronous ranks meet, the collective fails first
+    (gloo: "Connection reset by peer"); the rank still ends with the one line naming the dead
+    rank. A failed collective with every peer alive keeps gloo's reason and the timeout."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    code = f"""if True:
+        import sys, torch
+        from common import central_optim, dist
+        c = central_optim.CentralOptimizer([torch.zeros(3)], 1, folder=__import__("pathlib").Path({str(tmp_path)!r}))
+        @dist._guarded
+        def all_reduce_mean():
+            raise RuntimeError("Connection reset by peer")
+        dist.name_dead_peer = c.check_peers
+        c.peers = {{1: {os.getpid()}}}
+        if sys.argv[1] == "dead":
+            c.peers = {{1: {dead.pid}}}
+        all_reduce_mean()
+        """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": "0"}
+    for case, expected in (("dead", f"error: rank 0: rank 1 (pid {dead.pid}) died; "),
+                           ("alive", "error: rank 0: all_reduce_mean failed: Connection reset "
+                                     "by peer. Another rank died or made no progress")):
+        out = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr.startswith(expected), out.stderr
