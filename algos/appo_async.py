@@ -5,10 +5,12 @@ APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel
 1707.06347) with two asynchronies.
 1. Within a rank: a sampler process (common/async_sampler.py) runs the rank's environments with
    batched inference (Sec. 3.1) on its own copy of the policy and fills shared-memory rollout
-   buffers while the learner trains on the previous rollout. Every rollout records the version
-   of the parameters that produced it; the learner's importance ratio uses the behaviour
-   policy's stored log-probabilities, so clipping bounds the staleness, and rollouts more than
-   --max-policy-lag versions old are dropped.
+   buffers while the learner trains on the previous rollout; rollouts more than
+   --max-policy-lag versions old are dropped. A rollout's behaviour policy mu is thus a whole
+   update behind the learner, so the loss is decoupled PPO's (Hilton et al. 2021, arXiv
+   2110.00641): the clip is around the proximal policy, the learner's own as the update starts,
+   and mu enters only through the weight pi_prox / mu. Clipping against mu (PPO's loss as is)
+   cut the gradient of most samples from the first minibatch on (README, "APPO and lag").
 2. Across ranks: central parameters and Adam state in the machine's shared memory
    (common/central_optim.py). After each minibatch gradient a rank applies Adam to the central
    copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then
@@ -132,6 +134,10 @@ class Args:
     """this rank's gradient-norm clip before its central Adam step (baselines' ppo2)"""
     target_kl: float | None = None
     """stop this rank's epochs on a rollout early when its approximate KL exceeds this"""
+    imp_samp_max: float = 100.0
+    """cap on the importance ratio of the learner's policy to the behaviour policy, pi / mu, that
+    weights each sample (openai/ppo-ewma's flag and default: only extreme ratios of very stale
+    samples); 0: no cap"""
 
     num_buffers: int = 2
     """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
@@ -203,15 +209,39 @@ def gae(rewards, values, terminated, truncated, final_values, next_value, gamma,
     return advantages
 
 
+@torch.no_grad()
+def proximal(agent: Agent, obs: torch.Tensor, actions: torch.Tensor,
+             chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The proximal policy, the learner's before the update: obs [n, 4, 84, 84] uint8, actions
+    [n] -> (log-probabilities of the actions [n], values [n])."""
+    out = [agent(o) for o in obs.split(chunk)]
+    logits, values = torch.cat([x[0] for x in out]), torch.cat([x[1] for x in out])
+    return Categorical(logits=logits).log_prob(actions), values
+
+
+def decoupled_pg_loss(logprob: torch.Tensor, behav_logprob: torch.Tensor,
+                      prox_logprob: torch.Tensor, adv: torch.Tensor, clip_coef: float,
+                      imp_samp_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's clipped surrogate (Hilton et al. 2021, Sec. 3), per sample
+    max(-A w r, -A w clip(r, 1 - eps, 1 + eps)), r = pi / pi_prox, w = pi_prox / mu, r w = pi / mu
+    capped at imp_samp_max -> (mean, r). With pi_prox = mu it is PPO's loss, bit for bit."""
+    if imp_samp_max > 0:  # raising mu caps pi / mu; its gradient stays that of log pi
+        behav_logprob = torch.maximum(behav_logprob, logprob.detach() - math.log(imp_samp_max))
+    ratio = (logprob - prox_logprob).exp()
+    weighted = -adv * (prox_logprob - behav_logprob).exp()
+    return torch.max(weighted * ratio,
+                     weighted * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean(), ratio
+
+
 def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.Tensor],
                 args: Args, lr: float) -> tuple[dict[str, float], float]:
     """PPO's clipped-surrogate epochs over this rank's flat batch, each minibatch gradient applied
     to the central parameters; returns (stats, seconds waiting for chunks other ranks held).
 
-    The loss is ppo_multigpu.ppo_update's, line for line. What differs: no all-reduce, and after
-    each minibatch the rank takes a central Adam step and pulls the result, which includes
-    whatever the other ranks applied meanwhile (Sec. 3.2). `logprob` is the behaviour policy's,
-    possibly some versions old: the ratio corrects for that and clipping bounds it.
+    ppo_multigpu.ppo_update's loss, but decoupled (decoupled_pg_loss; the value clip around the
+    proximal values): without lag (prox_* = the behaviour's logprob and value) it is PPO's. No
+    all-reduce: after each minibatch the rank takes a central Adam step and pulls the result,
+    whatever the other ranks applied meanwhile included (Sec. 3.2).
     """
     adv = batch["advantages"]
     if args.norm_adv:  # this rank's statistics: global ones would make ranks wait for each other
@@ -220,7 +250,7 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
     n = adv.shape[0]
     mb_size = n // args.num_minibatches
     sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
-                          "clipfrac"), 0.0)
+                          "clipfrac", "clipfrac_behaviour", "imp_samp_clipfrac"), 0.0)
     updates, waited = 0, 0.0
     for _ in range(args.update_epochs):
         perm = torch.randperm(n, device=adv.device)
@@ -229,12 +259,12 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
             idx = perm[start:start + mb_size]
             logits, value = agent(batch["obs"][idx])
             pi = Categorical(logits=logits)
-            logratio = pi.log_prob(batch["actions"][idx]) - batch["logprob"][idx]
-            ratio = logratio.exp()
-            mb_adv = adv[idx]
-            pg_loss = torch.max(-mb_adv * ratio,
-                                -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-            ret, old_v = batch["returns"][idx], batch["value"][idx]
+            new_logprob, behav_logprob = pi.log_prob(batch["actions"][idx]), batch["logprob"][idx]
+            pg_loss, ratio = decoupled_pg_loss(new_logprob, behav_logprob,
+                                               batch["prox_logprob"][idx], adv[idx],
+                                               args.clip_coef, args.imp_samp_max)
+            logratio = new_logprob - batch["prox_logprob"][idx]  # PPO's statistics without lag
+            ret, old_v = batch["returns"][idx], batch["prox_value"][idx]
             if args.clip_vloss:
                 v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
                 v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
@@ -255,7 +285,11 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
                 for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss),
                              ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
                              ("approx_kl", approx_kl),
-                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
+                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean()),
+                             ("clipfrac_behaviour", ((new_logprob - behav_logprob).exp() - 1).abs()
+                              .gt(args.clip_coef).float().mean()),
+                             ("imp_samp_clipfrac", (new_logprob - behav_logprob).gt(
+                                 math.log(args.imp_samp_max or math.inf)).float().mean())):
                     sums[k] += v  # device tensors: no host sync per minibatch
             updates += 1
         if args.target_kl is not None and torch.stack(kls).mean().item() > args.target_kl:
@@ -276,6 +310,8 @@ def main() -> None:
     if args.num_buffers < 2:
         dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
                   f"{args.num_buffers}")
+    if args.imp_samp_max != 0 and args.imp_samp_max < 1:
+        dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
     if args.max_policy_lag < 0:
         dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
     allowed = os.sched_getaffinity(0)
@@ -377,6 +413,9 @@ def main() -> None:
                      "actions": rollout["actions"].flatten(), "logprob": rollout["logprob"].flatten(),
                      "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
                      "returns": (advantages + rollout["value"]).flatten()}
+            central.pull()  # the proximal policy: other ranks' steps since our last included
+            batch["prox_logprob"], batch["prox_value"] = proximal(
+                agent, batch["obs"], batch["actions"], batch_per_rank // args.num_minibatches)
             stats, comm = appo_update(agent, central, batch, args, lr)
             y, y_pred = batch["returns"], batch["value"]
             explained_var = (1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)).item()

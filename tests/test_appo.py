@@ -1,5 +1,6 @@
 """appo_async.py: the central chunked-lock optimizer (Adam; RMSProp for A3C), PPO's update, learning, torchrun + resume, faults."""
 
+import math
 import os
 import signal
 import socket
@@ -175,8 +176,9 @@ def test_async_sampler_rollouts_are_whole_and_labelled():
 
 
 def test_gae_and_update_equal_ppo():
-    """APPO's loss is PPO's: with one rank and one chunk, an update on a rollout gives PPO's
-    parameters (torch's Adam there, the central Adam here), and GAE is the same function."""
+    """Without lag APPO's update is PPO's: with one rank and one chunk, the proximal policy equal
+    to the behaviour policy, an update on a rollout gives PPO's parameters (torch's Adam there,
+    the central Adam here), and GAE is the same function."""
     ppo, appo = load_algo("ppo_multigpu"), load_algo("appo_async")
     g = torch.Generator().manual_seed(0)
     T, B = 9, 5
@@ -193,6 +195,7 @@ def test_gae_and_update_equal_ppo():
              "logprob": -torch.rand(n, generator=g) * 2, "value": torch.randn(n, generator=g),
              "advantages": torch.randn(n, generator=g) * 3 + 1,
              "returns": torch.randn(n, generator=g)}
+    batch.update(prox_logprob=batch["logprob"], prox_value=batch["value"])  # no lag
     out = []
     for update in ("ppo", "appo"):
         torch.manual_seed(123)
@@ -212,6 +215,74 @@ def test_gae_and_update_equal_ppo():
     init = torch.nn.utils.parameters_to_vector(ppo.Agent(6).parameters()).detach()
     assert (out[0] - init).abs().max() > 1e-4
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+
+
+def _pg_batch(n=4000, lag=1.0, seed=0):
+    """Log-probabilities of the learner (pi), the behaviour (mu) and the proximal policy, and
+    advantages; lag scales how far mu sits from the proximal policy (0: no lag)."""
+    g = torch.Generator().manual_seed(seed)
+    prox = -torch.rand(n, generator=g) * 3
+    behav = prox + lag * torch.randn(n, generator=g) * 0.7
+    new = (prox + torch.randn(n, generator=g) * 0.15).requires_grad_()
+    return new, behav, prox, torch.randn(n, generator=g) * 2
+
+
+@pytest.mark.parametrize("cap", [0.0, 100.0, 1.5])
+def test_decoupled_loss_against_reference(cap):
+    """Decoupled PPO's loss (Hilton et al. 2021) and its gradient, sample by sample from the
+    case form: A >= 0 keeps -A w min(r, 1 + eps), A < 0 keeps -A w max(r, 1 - eps), with
+    r = pi / pi_prox, w = pi_prox / mu, and pi / mu capped at `cap` (ppo-ewma's imp_samp_max)."""
+    appo = load_algo("appo_async")
+    new, behav, prox, adv = _pg_batch()
+    eps = 0.1
+    loss, ratio = appo.decoupled_pg_loss(new, behav, prox, adv, eps, cap)
+    loss.backward()
+    ref_loss, ref_grad = 0.0, []
+    for x, m, p, a in zip(new.tolist(), behav.tolist(), prox.tolist(), adv.tolist()):
+        if cap and x - m > math.log(cap):
+            m = x - math.log(cap)  # pi / mu = cap, the gradient still that of log pi
+        r, w = math.exp(x - p), math.exp(p - m)
+        active = r < 1 + eps if a >= 0 else r > 1 - eps
+        kept = r if active else (1 + eps if a >= 0 else 1 - eps)
+        ref_loss += -a * w * kept
+        ref_grad.append(-a * w * r if active else 0.0)
+    n = len(ref_grad)
+    assert math.isclose(loss.item(), ref_loss / n, rel_tol=1e-4, abs_tol=1e-6)  # float32 sums
+    torch.testing.assert_close(new.grad, torch.tensor(ref_grad) / n, rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(ratio, (new - prox).exp())
+    capped = (new - behav > math.log(cap)).float().mean() if cap else 0.0
+    assert (capped > 0.1) == (cap == 1.5)  # the small cap binds often, 100 almost never
+
+
+def test_decoupled_loss_without_lag_is_ppos():
+    """With the proximal policy equal to the behaviour policy (no lag) the loss and its gradient
+    are PPO's, bit for bit (ppo_multigpu.ppo_update's expression), capped or not."""
+    appo = load_algo("appo_async")
+    new, behav, _, adv = _pg_batch(lag=0.0)
+    for cap in (0.0, 100.0):
+        ratio = (new - behav).exp()
+        ppo_loss = torch.max(-adv * ratio, -adv * ratio.clamp(0.9, 1.1)).mean()
+        ppo_grad, = torch.autograd.grad(ppo_loss, new)
+        loss, _ = appo.decoupled_pg_loss(new, behav, behav.clone(), adv, 0.1, cap)
+        grad, = torch.autograd.grad(loss, new)
+        assert torch.equal(loss, ppo_loss) and torch.equal(grad, ppo_grad)
+
+
+def test_proximal_policy_is_the_learners_own():
+    """The proximal log-probabilities and values are the learner's current network on the
+    rollout's own actions, whatever the chunk size, with no graph kept."""
+    appo = load_algo("appo_async")
+    torch.manual_seed(0)
+    agent = appo.Agent(3)
+    g = torch.Generator().manual_seed(1)
+    obs = torch.randint(0, 256, (96, 4, 84, 84), generator=g, dtype=torch.uint8)
+    actions = torch.randint(0, 3, (96,), generator=g)
+    logp, values = appo.proximal(agent, obs, actions, 32)
+    logits, ref_values = agent(obs)
+    ref_logp = torch.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+    assert logp.shape == values.shape == (96,) and not (logp.requires_grad or values.requires_grad)
+    torch.testing.assert_close(logp, ref_logp.detach())
+    torch.testing.assert_close(values, ref_values.detach())
 
 
 @pytest.mark.slow
@@ -369,6 +440,8 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
         "appo_async", "--num-buffers", "1", "--run-dir", run)
     assert "--num-chunks must be positive" in expect_error(
         "appo_async", "--num-chunks", "0", "--run-dir", run)
+    assert "--imp-samp-max must be 0 (no cap) or at least 1, got 0.5" in expect_error(
+        "appo_async", "--imp-samp-max", "0.5", "--run-dir", run)
     assert not (tmp_path / "new").exists()
     # two "machines" of one rank each: both refuse, naming the multi-node script
     with socket.socket() as s:
