@@ -4,8 +4,9 @@ synchronous PPO (JSON: throughput-appo-<host>-<device>.json).
 On one rank, with the same per-rank settings (num_envs x num_steps):
   1. sampling alone  - common.async_sampler.AsyncSampler with APPO's network, its process pinned to
                        the sampler's cores; the learner side only hands buffers back
-  2. learning alone  - appo_async.appo_update on a random rollout, pinned to the learner's cores
-                       (the rest), central Adam with --num-chunks as the script's default
+  2. learning alone  - appo_async's proximal pass and appo_update on a random rollout, pinned
+                       to the learner's cores (the rest), central Adam with --num-chunks as the
+                       script's default
   3. APPO end to end - algos/appo_async.py --sampler-cores <the sampler's cores>
   4. PPO end to end  - algos/ppo_multigpu.py, same settings, not pinned (its best use of all the
                        cores: it samples and learns in turn)
@@ -113,7 +114,12 @@ def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:
     central = CentralOptimizer(agent.parameters(), pargs.num_chunks, eps=1e-5)
     central.unlink()
     batch = random_rollout(n, num_actions, device)
-    r = timed(lambda: appo.appo_update(agent, central, batch, pargs, 1e-4), n, a.seconds, device)
+    def learn():  # what the learner does per rollout: the proximal pass, then the epochs
+        batch["prox_logprob"], batch["prox_value"] = appo.proximal(
+            agent, batch["obs"], batch["actions"], n // pargs.num_minibatches)
+        return appo.appo_update(agent, central, batch, pargs, 1e-4)
+
+    r = timed(learn, n, a.seconds, device)
     central.close()
     return {**r, "epochs": pargs.update_epochs, "minibatches": pargs.num_minibatches}
 
