@@ -398,12 +398,12 @@ def main() -> None:
                 lag = version - info["version"]
                 if lag <= args.max_policy_lag:
                     break
-                my_dropped += 1  # too stale: the clipped ratio would mostly ignore it anyway
+                my_dropped += 1  # too stale: its importance weights would be extreme
                 sampler.release(i)
             rollout = upload(sampler.rollout(i))  # one pinned copy to a GPU; CPU: no copy
             global_step += global_batch
 
-            # ---- learning: GAE on the behaviour values, then PPO epochs on central Adam ----
+            # ---- learning: GAE on the behaviour values, the proximal pass, PPO epochs ----
             learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
             with torch.no_grad():
                 advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
