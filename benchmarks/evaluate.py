@@ -63,7 +63,8 @@ import tyro  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks import atari_scores  # noqa: E402
+from benchmarks import atari_scores, outputs  # noqa: E402
+from benchmarks.errors import UserError, fail  # noqa: E402
 from benchmarks.throughput_parts.measure import load_algo  # noqa: E402
 from common import checkpoint, envs, evaluation  # noqa: E402
 from common.exploration import epsilon_greedy  # noqa: E402
@@ -93,10 +94,6 @@ class Args:
     """evaluation environments played side by side; default the run's --eval-envs"""
     cuda: bool = True
     """run the network on the GPU when there is one; --no-cuda forces the CPU"""
-
-
-class UserError(Exception):
-    """A problem with the command line or the files it names: one line, exit code 2."""
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -272,15 +269,14 @@ class VideoRecorder:
 
 
 def next_free(folder: Path, stem: str = "eval", suffix: str = ".json") -> tuple[Path, object]:
-    """eval.json, else eval-2.json, eval-3.json, ...: created here (exclusively, so two
-    evaluations at once cannot take the same name); returns (path, open file)."""
-    k = 1
+    """eval.json, else eval-2.json, eval-3.json, ... (outputs.unused), created here exclusively,
+    so two evaluations at once cannot take the same name; returns (path, open file)."""
     while True:
-        path = folder / (f"{stem}{suffix}" if k == 1 else f"{stem}-{k}{suffix}")
+        path = Path(f"{outputs.unused(folder / stem, (suffix,))}{suffix}")
         try:
             return path, open(path, "x")
-        except FileExistsError:
-            k += 1
+        except FileExistsError:  # taken between the check and the creation: the next one
+            continue
 
 
 def table(returns: list[float], lengths: list[int], hns: float | None) -> str:
@@ -408,8 +404,7 @@ def main() -> None:
     try:
         evaluate(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(e))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, registry  # noqa: E402
+from benchmarks.errors import fail, stop_on_sigterm  # noqa: E402
 from benchmarks.scaling import stop_ranks  # noqa: E402
 
 PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
@@ -151,11 +151,6 @@ class Run:
                 "--run-dir", str(self.run_dir), "--resume", "auto"]
 
 
-def fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 def game_id(name: str) -> str:
     """Pong -> Pong-v5; ids with a version or a module are kept."""
     return name if (":" in name or "-v" in name) else f"{name}-v5"
@@ -221,12 +216,8 @@ def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
     return exp, runs, notes
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupted)
+    stop_on_sigterm()
     args = tyro.cli(Args)
     exp, runs, notes = plan(args)
     todo = [r for r in runs if not r.finished(args.total_timesteps or exp.total_timesteps)]

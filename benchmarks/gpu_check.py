@@ -68,6 +68,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
+from benchmarks.errors import UserError, fail  # noqa: E402
 
 ENV_ID = "Breakout-v5"
 FAIL_VAR = "GPU_CHECK_FAIL_STEP"
@@ -137,10 +138,6 @@ def sizes(quick: bool) -> Sizes:
                  replay=1_000_000, batch=512, cat_batch=2048, repeats=20, ppo_flags=(),
                  a2c_flags=(), q_flags=("--num-envs", "16", "--learning-starts", "2048",
                                         "--replay-size", "200000"), small=(8, 32, 1024))
-
-
-class UsageError(ValueError):
-    """Input a user can fix: one line, exit 2, before any step runs."""
 
 
 class StepError(RuntimeError):
@@ -533,7 +530,7 @@ def parse_timeouts(items: tuple[str, ...], quick: bool) -> dict[str, float]:
         except ValueError:
             seconds = 0.0
         if name not in STEPS or seconds <= 0:
-            raise UsageError(f"--timeouts takes NAME=SECONDS with NAME one of {', '.join(STEPS)} "
+            raise UserError(f"--timeouts takes NAME=SECONDS with NAME one of {', '.join(STEPS)} "
                              f"and SECONDS > 0, got {item!r}")
         timeouts[name] = seconds
     return timeouts
@@ -541,7 +538,7 @@ def parse_timeouts(items: tuple[str, ...], quick: bool) -> dict[str, float]:
 
 def chosen_steps(names: tuple[str, ...]) -> list[str]:
     if bad := [n for n in names if n not in STEPS]:
-        raise UsageError(f"unknown step {bad[0]!r}; choose from {', '.join(STEPS)}")
+        raise UserError(f"unknown step {bad[0]!r}; choose from {', '.join(STEPS)}")
     return [n for n in STEPS if n in names] if names else list(STEPS)
 
 
@@ -554,7 +551,7 @@ def output_stem(out: str | None, device: str) -> Path:
         for sub in ("logs", "steps", "runs"):
             (stem / sub).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"cannot write to --out {folder}: {e.strerror or e}") from None
+        raise UserError(f"cannot write to --out {folder}: {e.strerror or e}") from None
     return stem
 
 
@@ -657,7 +654,7 @@ def main_parent(args: Args) -> int:
     if args.cuda:
         import torch
         if not torch.cuda.is_available():
-            raise UsageError("no CUDA GPU is visible; pass --no-cuda (with --quick for the small "
+            raise UserError("no CUDA GPU is visible; pass --no-cuda (with --quick for the small "
                              "CPU check)")
     device = "cuda" if args.cuda else "cpu"
     stem = output_stem(args.out, device)
@@ -684,15 +681,13 @@ def main() -> None:
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     if args.step:
         if args.step not in STEPS or not args.work:
-            print(f"error: --step takes one of {', '.join(STEPS)}, with --work", file=sys.stderr)
-            sys.exit(2)
+            fail(f"--step takes one of {', '.join(STEPS)}, with --work")
         run_step_here(args)
         return
     try:
         sys.exit(main_parent(args))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        fail(str(e))
 
 
 if __name__ == "__main__":

@@ -256,15 +256,6 @@ def run_labels(runs: list[RunData]) -> list[str]:
     return [str(r.path.resolve().relative_to(common)) or r.path.name for r in runs]
 
 
-def free_stem(folder: Path, stem: str, suffixes: tuple[str, ...]) -> Path:
-    """folder/stem, or folder/stem-2, stem-3, ...: the first for which no stem + suffix exists."""
-    k, name = 1, stem
-    while any((folder / f"{name}{s}").exists() for s in suffixes):
-        k += 1
-        name = f"{stem}-{k}"
-    return folder / name
-
-
 def train_curve(run: RunData, window: int) -> list[tuple[int, float, float]]:
     """(env steps, hours, running mean over `window` games) at each step that logged games: the
     games of one log call share its step and time, and the point is the mean after all of them."""
@@ -352,7 +343,7 @@ def plot_run_dirs(args: Args, paths: list[Path]) -> None:
     """Ordinary runs: one curve per run (module docstring)."""
     folder = Path(args.out) if args.out else ROOT / "runs" / "plots"
     folder.mkdir(parents=True, exist_ok=True)
-    stem = free_stem(folder, "runs", (".png", ".csv", ".md"))
+    stem = outputs.unused(folder / "runs", (".png", ".csv", ".md"))
     runs = [load_run(p) for p in paths]
     labels = run_labels(runs)
     with open(f"{stem}.csv", "w", newline="") as f:

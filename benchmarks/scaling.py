@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs, registry  # noqa: E402
+from benchmarks.errors import fail, stop_on_sigterm  # noqa: E402
 
 PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-interval progress line
 STEPS_50M = 50_000_000
@@ -98,30 +98,6 @@ class Result:
     summary: dict = field(default_factory=dict)
     load_average: float | None = None  # 1-minute load average when the measurement ended
     error: str | None = None
-
-
-def fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def hardware(use_cuda: bool) -> dict:
-    import torch
-
-    cpu = ""
-    try:
-        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        cpu = names[0].strip() if names else ""
-    except OSError:
-        pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if use_cuda and torch.cuda.is_available() else []
-    load = os.getloadavg()[0]  # other work on the machine slows every number here
-    line = (f"{cpu or 'CPU'}, {os.cpu_count()} cores"
-            + (f", {len(gpus)} x {gpus[0]}" if gpus else ", no GPU used")
-            + f"; torch {torch.__version__}; load average {load:.1f} at the start")
-    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpus": gpus,
-            "torch": torch.__version__, "load_average_1min": load, "line": line}
 
 
 def event_series(run_dir: Path) -> dict[str, list]:
@@ -350,12 +326,8 @@ def output_prefix(args: Args, use_cuda: bool) -> Path:
                           (".json", ".md", ".png"))
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt  # a SIGTERM here stops the current run cleanly, as Ctrl-C does
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupted)
+    stop_on_sigterm()  # a SIGTERM stops the current run cleanly, as Ctrl-C does
     args = tyro.cli(Args)
     if error := registry.check_names(args.algos):
         fail(error)
@@ -390,7 +362,9 @@ def main() -> None:
             names.append(n)
     if not names:
         fail("none of the chosen configurations has its script on disk")
-    hw = hardware(use_cuda)
+    from benchmarks.throughput_parts.measure import hardware
+
+    hw = hardware(torch.device("cuda" if use_cuda else "cpu"))
     print(f"hardware: {hw['line']}", flush=True)
 
     results: list[Result] = []

@@ -60,6 +60,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
+from benchmarks.errors import UserError, fail  # noqa: E402
 
 PPO = ROOT / "algos" / "ppo_multigpu.py"
 MINIBATCH = 256  # samples per minibatch (PPO paper: 4 x 256 from 8 actors x 128 steps)
@@ -91,10 +92,6 @@ class Args:
     """more ppo_multigpu.py flags as one string, after the recipe's (so they win)"""
     out: str | None = None
     """output folder, which must not exist; default runs/benchmarks/sprint-<host>-<device>"""
-
-
-class UsageError(ValueError):
-    """Input a user can fix: one line, exit 2."""
 
 
 def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
@@ -134,13 +131,13 @@ def out_folder(args: Args, device: str) -> Path:
     if args.out:
         folder = Path(args.out).resolve()
         if folder.exists():
-            raise UsageError(f"--out {folder} exists; name a new folder (nothing is overwritten)")
+            raise UserError(f"--out {folder} exists; name a new folder (nothing is overwritten)")
     else:
         folder = outputs.unused(outputs.RUNS / f"sprint-{outputs.host()}-{device}")
     try:
         folder.mkdir(parents=True)
     except OSError as e:
-        raise UsageError(f"cannot create --out {folder}: {e.strerror or e}") from None
+        raise UserError(f"cannot create --out {folder}: {e.strerror or e}") from None
     return folder
 
 
@@ -148,19 +145,19 @@ def check(args: Args) -> int:
     """The cores to size for, after refusing input no run could use."""
     cores = args.cores if args.cores is not None else len(os.sched_getaffinity(0))
     if not args.minutes > 0:
-        raise UsageError(f"--minutes must be > 0, got {args.minutes:g}")
+        raise UserError(f"--minutes must be > 0, got {args.minutes:g}")
     if cores < 1 or args.envs_per_core < 1:
-        raise UsageError(f"--cores and --envs-per-core must be >= 1, got {cores} and "
+        raise UserError(f"--cores and --envs-per-core must be >= 1, got {cores} and "
                          f"{args.envs_per_core}")
     if not args.targets:
-        raise UsageError("--targets needs at least one score")
+        raise UserError("--targets needs at least one score")
     if args.window < 1 or args.eval_episodes < 0:
-        raise UsageError(f"--window must be >= 1 and --eval-episodes >= 0, got {args.window} "
+        raise UserError(f"--window must be >= 1 and --eval-episodes >= 0, got {args.window} "
                          f"and {args.eval_episodes}")
     try:
         shlex.split(args.extra)
     except ValueError as e:
-        raise UsageError(f"--extra is not a valid flag string: {e}") from None
+        raise UserError(f"--extra is not a valid flag string: {e}") from None
     return cores
 
 
@@ -281,9 +278,8 @@ def main() -> None:
         cores = check(args)
         device, hw_line = hardware(args.cuda)
         folder = out_folder(args, device)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        fail(str(e))
     run_dir, log = folder / "run", folder / "train.log"
     flags = recipe(cores, args.envs_per_core)
     cmd = [sys.executable, str(PPO), "--env-id", args.env_id, "--seed", str(args.seed), *flags,

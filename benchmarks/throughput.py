@@ -47,6 +47,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
+from benchmarks.errors import UserError, fail  # noqa: E402
 from benchmarks.throughput_parts import appo as appo_part  # noqa: E402
 from benchmarks.throughput_parts import cat_dqn as catdqn_part  # noqa: E402
 from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
@@ -92,10 +93,6 @@ class Args:
     appo: appo_part.Args = field(default_factory=appo_part.Args)
 
 
-class UsageError(ValueError):
-    """Input a user can fix: reported in one line, before anything is measured."""
-
-
 def settings(args: Args, key: str) -> SimpleNamespace:
     """One family's settings as a flat record (the shared options, then its own, with
     --seconds and --e2e-seconds applied): what its JSON stores as "args"."""
@@ -116,21 +113,21 @@ def output_path(stem: str, device: torch.device, out: str | None) -> Path:
 def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     """Measure the named parts (none: all) as args say; print each family's table and, if write,
     its JSON (see output_path). Returns each family's result by its key in FAMILIES. Raises
-    UsageError for bad input before anything is measured. Sets torch's thread count when
+    UserError for bad input before anything is measured. Sets torch's thread count when
     args.torch_threads is set."""
     names = list(dict.fromkeys(names)) or list(PARTS)
     if bad := [n for n in names if n not in PARTS]:
-        raise UsageError(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
+        raise UserError(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
     for flag, value in (("--seconds", args.seconds), ("--e2e-seconds", args.e2e_seconds)):
         if value is not None and value <= 0:
-            raise UsageError(f"{flag} must be positive, got {value:g}")
+            raise UserError(f"{flag} must be positive, got {value:g}")
     chosen = {key: settings(args, key) for key in FAMILIES if key in {PARTS[n] for n in names}}
     if "appo" in chosen and (problem := appo_part.check(chosen["appo"])):
-        raise UsageError(problem)
+        raise UserError(problem)
     try:
         probe = envs.make_envs(args.env_id, 1)[0]
     except envs.EnvError as e:
-        raise UsageError(str(e)) from None
+        raise UserError(str(e)) from None
     num_actions = probe.num_actions
     probe.close()
 
@@ -157,9 +154,8 @@ def main() -> None:
     args = tyro.cli(Args, description=HELP)
     try:
         run_parts(args.parts, args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        fail(str(e))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def load_algo(name: str):
 
 
 def hardware(device: torch.device) -> dict:
+    """The machine a measurement runs on, with the one-line summary every benchmark writes
+    beside its numbers (the load average too: other work on the machine slows every number)."""
     cpu = platform.processor() or platform.machine()
     try:
         names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
@@ -45,15 +47,19 @@ def hardware(device: torch.device) -> dict:
         pass
     import ale_py
 
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if device.type == "cuda" else [])
     hw = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-          "torch": torch.__version__, "ale_py": ale_py.__version__,
-          "torch_threads": torch.get_num_threads(),
+          "gpus": gpus, "torch": torch.__version__, "ale_py": ale_py.__version__,
+          "torch_threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0],
           "env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                                                    "MKL_NUM_THREADS") if k in os.environ}}
-    hw["line"] = (f"{hw['cpu']}, {hw['cores']} cores" + (f", {hw['gpu']}" if hw["gpu"] else "")
+    hw["line"] = (f"{hw['cpu']}, {hw['cores']} cores"
+                  + (f", {len(gpus)} x {hw['gpu']}" if gpus else ", no GPU used")
                   + f"; torch {hw['torch']} ({hw['torch_threads']} threads), ale-py {hw['ale_py']}"
-                  + "".join(f", {k}={v}" for k, v in hw["env_vars"].items()))
+                  + "".join(f", {k}={v}" for k, v in hw["env_vars"].items())
+                  + f"; load average {hw['load_average_1min']:.1f} at the start")
     return hw
 
 
