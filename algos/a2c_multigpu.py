@@ -62,6 +62,7 @@ from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import gpu, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
@@ -299,7 +300,7 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    run_dir, state = checkpoint.prepare_run(args, "a2c_multigpu", world,
+    run_dir, state = runs.prepare_run(args, "a2c_multigpu", world,
                                            check=partial(central_optim.refusal, args))
 
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
@@ -313,7 +314,7 @@ def main() -> None:
         {} if args.asynchronous else {"optimizer": optimizer}))
     dist.broadcast_params(agent)
     # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = checkpoint.StopRequest()
+    stop = signals.StopRequest()
     central = None
     if args.asynchronous:  # A3C: rank 0 writes the central state, the others attach to it
         rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
@@ -333,7 +334,7 @@ def main() -> None:
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
 
-    step = dist.compiled(agent, args.compile)
+    step = gpu.compiled(agent, args.compile)
 
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
         return Categorical(logits=step(obs)[0]).sample(), {}
@@ -375,9 +376,9 @@ def main() -> None:
         central_step = central.add_steps(batch_per_rank) if central else global_step
 
         # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
-        learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
+        learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
         stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args, central)
-        learn += dist.clock(device) - learn_t0 - seconds
+        learn += gpu.clock(device) - learn_t0 - seconds
         comm += seconds
         for k, v in stats.items():
             stat_sums[k] = stat_sums.get(k, 0.0) + v

@@ -43,11 +43,12 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import (central_optim, checkpoint, cli, dist, envs, evaluation, gpu, runs,  # noqa: E402
+                    signals)
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
+from common.gpu import Upload  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
-from common.sampler import Upload  # noqa: E402
 
 
 @dataclass
@@ -335,7 +336,7 @@ def main() -> None:
         dist.fail(str(e))
     num_actions = probe.num_actions
     probe.close()
-    run_dir, state = checkpoint.prepare_run(args, "appo_async", world)
+    run_dir, state = runs.prepare_run(args, "appo_async", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank
     agent = Agent(num_actions).to(device)
@@ -347,7 +348,7 @@ def main() -> None:
         torch.set_num_threads(max(1, len(learner_cores) // local_ranks))
 
     # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = checkpoint.StopRequest()
+    stop = signals.StopRequest()
     # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
     central = central_optim.shared(partial(CentralOptimizer, agent.parameters(), args.num_chunks,
                                           eps=1e-5), world, state and state["optimizer"])
@@ -404,7 +405,7 @@ def main() -> None:
             global_step += global_batch
 
             # ---- learning: GAE on the behaviour values, the proximal pass, PPO epochs ----
-            learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
+            learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
             with torch.no_grad():
                 advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
                                  rollout["truncated"], rollout["final_values"],
@@ -422,7 +423,7 @@ def main() -> None:
             version += 1
             sampler.publish(agent, version)
             sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
-            learn = dist.clock(device) - learn_t0 - comm
+            learn = gpu.clock(device) - learn_t0 - comm
 
             # ---- evaluation, logging and checkpoints: the once-per-rollout meeting of ranks ----
             eval_s = time.perf_counter()

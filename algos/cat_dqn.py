@@ -60,7 +60,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
 from common import replay_shard  # noqa: E402
 from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
@@ -307,7 +307,7 @@ def main() -> None:
     except envs.EnvError as e:
         dist.fail(str(e))
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
-    run_dir, state = checkpoint.prepare_run(args, "cat_dqn", world)
+    run_dir, state = runs.prepare_run(args, "cat_dqn", world)
 
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
@@ -338,10 +338,10 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(dist.compiled(model.q_values, args.compile))  # eps-greedy on E[Z]
+    policy = GroupPolicy(gpu.compiled(model.q_values, args.compile))  # eps-greedy on E[Z]
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
-    stop = checkpoint.StopRequest()
+    stop = signals.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
@@ -380,7 +380,7 @@ def main() -> None:
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        learn_t0, seconds = dist.clock(device), 0.0
+        learn_t0, seconds = gpu.clock(device), 0.0
         if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
             beta = args.priority_beta + (1 - args.priority_beta) * min(
                 1.0, global_step / args.total_timesteps)
@@ -395,7 +395,7 @@ def main() -> None:
         interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
         if global_step // interval > (global_step - global_batch) // interval:
             target.load_state_dict(model.state_dict())
-        learn += dist.clock(device) - learn_t0 - seconds
+        learn += gpu.clock(device) - learn_t0 - seconds
         comm += seconds
 
         # ---- logging, evaluation and checkpoints ----

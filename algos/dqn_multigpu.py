@@ -73,6 +73,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import gpu, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common import replay_shard  # noqa: E402
 from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
@@ -292,7 +293,7 @@ def main() -> None:
     except envs.EnvError as e:
         dist.fail(str(e))
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
-    run_dir, state = checkpoint.prepare_run(args, "dqn_multigpu", world,
+    run_dir, state = runs.prepare_run(args, "dqn_multigpu", world,
                                            check=partial(central_optim.refusal, args))
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
@@ -313,7 +314,7 @@ def main() -> None:
     dist.broadcast_params(target)
     replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
     # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = checkpoint.StopRequest()
+    stop = signals.StopRequest()
     central = None
     if args.asynchronous:  # rank 0 writes the central state, the others attach to it
         central = central_optim.shared(partial(CentralOptimizer, model.parameters(),
@@ -329,7 +330,7 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(dist.compiled(model, args.compile))  # eps-greedy, one eps per env column
+    policy = GroupPolicy(gpu.compiled(model, args.compile))  # eps-greedy, one eps per env column
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
 
@@ -379,7 +380,7 @@ def main() -> None:
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
         # Asynchronous ranks meet only to log: one that got a signal skips its updates (no step
         # is credited) to reach the meeting, where all stop together, within torchrun's 30 s grace.
-        learn_t0, seconds = dist.clock(device), 0.0
+        learn_t0, seconds = gpu.clock(device), 0.0
         if global_step >= counters["learn_from"] and replay.num_valid() > 0 and not (
                 central is not None and stop.signal):  # the same on all ranks if synchronous
             beta = args.priority_beta + (1 - args.priority_beta) * min(
@@ -395,7 +396,7 @@ def main() -> None:
         interval = args.target_update_interval  # in global steps (Nature: in updates)
         if central_step // interval > seen // interval:  # asynchronous: each rank sees each once
             target.load_state_dict(model.state_dict())  # the central parameters, just pulled
-        learn += dist.clock(device) - learn_t0 - seconds
+        learn += gpu.clock(device) - learn_t0 - seconds
         comm += seconds
 
         # ---- logging, evaluation and checkpoints ----

@@ -32,7 +32,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
 from common.logger import Logger, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
@@ -252,7 +252,7 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    run_dir, state = checkpoint.prepare_run(args, "ppo_multigpu", world)
+    run_dir, state = runs.prepare_run(args, "ppo_multigpu", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
     agent = Agent(env_groups[0].num_actions).to(device)
@@ -265,10 +265,10 @@ def main() -> None:
     global_batch = batch_per_rank * world.world_size
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
                       clip_rewards=args.clip_rewards)
-    step = dist.compiled(agent, args.compile)
+    step = gpu.compiled(agent, args.compile)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
-    stop = checkpoint.StopRequest()
+    stop = signals.StopRequest()
 
     def save():
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
@@ -296,7 +296,7 @@ def main() -> None:
         global_step += global_batch
 
         # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----
-        learn_t0 = dist.clock(device)  # a GPU's queued work belongs to the phase that queued it
+        learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
         with torch.no_grad():
             next_value = agent(sampler.next_obs)[1]
             advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
@@ -307,7 +307,7 @@ def main() -> None:
                  "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
                  "returns": (advantages + rollout["value"]).flatten()}
         stats, comm = ppo_update(agent, optimizer, batch, args)
-        learn = dist.clock(device) - learn_t0 - comm
+        learn = gpu.clock(device) - learn_t0 - comm
 
         # ---- evaluation, logging and checkpoints ----
         eval_s = time.perf_counter()

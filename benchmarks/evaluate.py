@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
 from benchmarks.throughput_parts.measure import load_algo  # noqa: E402
-from common import checkpoint, envs, evaluation  # noqa: E402
+from common import checkpoint, envs, evaluation, runs  # noqa: E402
 from common.exploration import epsilon_greedy  # noqa: E402
 
 # What each script's network is: a policy-gradient Agent, a Q network, or C51's atom network.
@@ -138,7 +138,7 @@ def run_args(module, ckpt: Path, state: dict):
     """The run's flags as the script's Args: its defaults, then the run's --preset, then
     args.json (which holds the resolved flags; the earlier layers only fill what it lacks)."""
     try:
-        saved = checkpoint.saved_args(ckpt)
+        saved = runs.saved_args(ckpt)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {checkpoint.run_of(ckpt) / 'args.json'}: {e}") from None
     if not saved:

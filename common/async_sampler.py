@@ -31,7 +31,7 @@ from functools import partial
 import torch
 import torch.multiprocessing as mp
 
-from common import dist, envs
+from common import envs, gpu
 from common.sampler import Sampler
 
 
@@ -169,11 +169,11 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
         torch.manual_seed(seed)
         if device.type == "cuda":  # else the context opens on GPU 0, whatever the rank's GPU
             torch.cuda.set_device(device)
-            dist.set_gpu_habits()
+            gpu.set_gpu_habits()
         torch.distributions.Distribution.set_default_validate_args(False)
         env_groups = envs.make_envs(**env_kwargs)
         model = make_model().to(device)
-        net = dist.compiled(model, compile)  # shares model's parameters, which _unflat updates
+        net = gpu.compiled(model, compile)  # shares model's parameters, which _unflat updates
         sampler = Sampler(env_groups, T, device, extras=extras, clip_rewards=clip_rewards)
         sampler.reset(seeds)
         have = -1

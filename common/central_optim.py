@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from common import dist
-from common.sampler import Upload
+from common.gpu import Upload
 
 FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
@@ -213,7 +213,7 @@ def check(args, world, instead: str = "drop --asynchronous") -> None:
 
 
 def refusal(args, state: dict) -> str | None:
-    """Why a checkpoint cannot resume under these flags (checkpoint.prepare_run's `check`): the
+    """Why a checkpoint cannot resume under these flags (runs.prepare_run's `check`): the
     synchronous and central optimizer states differ, and so do the central rules'."""
     if state.get("asynchronous", False) != args.asynchronous:
         how = "with" if state.get("asynchronous") else "without"

@@ -1,4 +1,4 @@
-"""Run directories, verified atomic checkpoints, exact resume, and clean stops on SIGTERM / SIGINT.
+"""Verified atomic checkpoints and exact resume.
 
 `checkpoints/step_<N>.pt` holds the script's state dict (model, optimizer, counters, episode
 statistics) and every rank's RNG states; per-rank data (a replay shard) goes in
@@ -6,27 +6,18 @@ statistics) and every rank's RNG states; per-rank data (a replay shard) goes in
 name, fsynced, given a `.sha256` and renamed: a crash never leaves half a file under a
 checkpoint's name, and one damaged later fails its checksum and is skipped for the previous one.
 The newest `--keep-checkpoints` are kept; older ones go only once the new one is in place.
-
-Where the run goes (`locate`, rank 0): without `--resume` a new run directory (never an existing
-one); `--resume FILE|DIR` that checkpoint or the run's newest good one, written into its own run
-unless `--run-dir` names a new one; `--resume auto` `--run-dir`'s newest good checkpoint, else a
-fresh start there. A group torchrun restarts behaves as `auto`, finding its first attempt's
-directory by torchrun's run id. Not restored: the emulators (ale-py cannot save a vector env);
-they restart with seeds from `--seed` and the global step, so a resume is repeatable, but open
-games are lost.
+Which checkpoint a run continues from, and in which directory: common/runs.py. Not restored: the
+emulators (ale-py cannot save a vector env); they restart with seeds from `--seed` and the global
+step, so a resume is repeatable, but open games are lost.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import re
-import signal
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +26,6 @@ import torch
 from common import dist
 
 CKPT = re.compile(r"step_(\d+)\.pt")
-LAUNCH_ONLY = ("run_dir", "resume", "cuda", "collective_timeout")  # never taken from args.json
-
-
-def default_run_dir(env_id: str, script: str, seed: int) -> Path:
-    env = re.sub(r"[^A-Za-z0-9_.-]", "_", env_id)
-    return Path(f"runs/{env}__{script}__{seed}__{int(time.time())}")
 
 
 def step_of(ckpt: Path) -> int | None:
@@ -94,97 +79,12 @@ def newest_good(folder: Path) -> Path | None:
     return None
 
 
-def _elastic_run(env_id: str, script: str, seed: int) -> Path | None:
-    """The directory a previous attempt of this torchrun job created (it wrote the run id)."""
-    env = re.sub(r"[^A-Za-z0-9_.-]", "_", env_id)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    for d in sorted(Path("runs").glob(f"{env}__{script}__{seed}__*"), reverse=True):
-        if (d / "torchrun_id").is_file() and (d / "torchrun_id").read_text() == run_id:
-            return d
-    return None
-
-
-def locate(args, script: str) -> tuple[Path, Path | None]:
-    """Rank 0: (run directory, checkpoint to resume or None). Raises with a one-line message."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    resume = args.resume or ("auto" if restarted else None)
-    if args.resume == "auto" and not args.run_dir and not restarted:
-        raise ValueError("--resume auto needs --run-dir: the default directory name holds the "
-                         "start time, so a new launch cannot find the run to continue")
-    if resume == "auto":
-        run_dir = Path(args.run_dir) if args.run_dir else (
-            restarted and _elastic_run(args.env_id, script, args.seed)
-            or default_run_dir(args.env_id, script, args.seed))
-        return run_dir, newest_good(run_dir) if run_dir.is_dir() else None
-    if resume:
-        path = Path(resume)
-        if path.is_dir():
-            if not checkpoints(path):
-                raise FileNotFoundError(f"no checkpoint (step_*.pt) in {path}")
-            ckpt = newest_good(path)
-        elif path.is_file():
-            if problem := verify(path):
-                raise ValueError(f"cannot read checkpoint {path}: {problem}")
-            ckpt = path
-        else:
-            raise FileNotFoundError(f"checkpoint not found: {resume}")
-        run_dir = Path(args.run_dir) if args.run_dir else run_of(ckpt)
-        if run_dir.resolve() != run_of(ckpt).resolve() and run_dir.exists():
-            raise FileExistsError(f"run directory {run_dir} exists and is not the run of {ckpt}; "
-                                  "a resume writes into its own run or a new directory")
-        return run_dir, ckpt
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.env_id, script, args.seed)
-    if run_dir.exists():
-        raise FileExistsError(f"run directory {run_dir} exists; pass --resume {run_dir} (or "
-                              "--resume auto) to continue it, or choose another --run-dir")
-    return run_dir, None
-
-
-def saved_args(ckpt: Path | None) -> dict:
-    """The flags of the run a checkpoint belongs to (its args.json), less the launch-only ones."""
-    f = run_of(ckpt) / "args.json" if ckpt else None
-    if f is None or not f.is_file():
-        return {}
-    return {k: v for k, v in json.loads(f.read_text()).items() if k not in LAUNCH_ONLY}
-
-
 def load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, not a torch file, foreign pickle...
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")[:200]
         raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {first}") from None
-
-
-def prepare_run(args, script: str, world: dist.World, check=None) -> tuple[Path, dict | None]:
-    """Create the run directory cli.parse_args chose; rank 0 loads the checkpoint to resume, and
-    every rank receives it (or one error message): (run_dir, state or None). `check(state)`: the
-    script's own reason to refuse a checkpoint, or None; asked before args.json is rewritten."""
-    error, state, run_dir = None, None, Path(args.run_dir)
-    if world.is_main:
-        try:
-            if args.resume:
-                state = load(Path(args.resume))
-                if state.get("script", script) != script:
-                    raise ValueError(f"checkpoint {args.resume} was written by {state['script']}, "
-                                     f"not {script}")
-                if state.get("env_id") != args.env_id:
-                    raise ValueError(f"checkpoint {args.resume} was trained on "
-                                     f"{state.get('env_id')!r}, not {args.env_id!r}")
-                if check and (problem := check(state)):
-                    raise ValueError(problem)
-                state["resumed_from"] = args.resume
-            (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            for leftover in (run_dir / "checkpoints").glob("*.tmp"):  # a save that was cut short
-                leftover.unlink()
-            (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2, default=str))
-            if "TORCHELASTIC_RUN_ID" in os.environ:  # lets a restarted group find this run
-                (run_dir / "torchrun_id").write_text(os.environ["TORCHELASTIC_RUN_ID"])
-        except (OSError, ValueError) as e:
-            error = str(e)
-    if error := dist.agree(error):
-        dist.fail(error)
-    return run_dir, dist.broadcast_object(state, world)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -317,21 +217,3 @@ def restore_rng(state: dict, world: dist.World) -> None:
     elif world.is_main:
         print(f"warning: checkpoint has RNG states for {len(rngs)} ranks, this run has "
               f"{world.world_size}; random streams restart", file=sys.stderr)
-
-
-class StopRequest:
-    """SIGTERM / SIGINT set a flag that all ranks check together between iterations (a signal to
-    one stops all); the script then checkpoints and exits cleanly."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C kills at once
-
-    def __call__(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.signal else 0.0], device=device)
-        return bool(dist.all_reduce_mean(flag).item() > 0)

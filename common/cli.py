@@ -12,12 +12,12 @@ from pathlib import Path
 
 import tyro
 
-from common import checkpoint, dist, envs
+from common import checkpoint, dist, envs, runs
 
 
 def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
     """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags;
-    returns (args, world). Rank 0 chooses the run (`checkpoint.locate`) and sends every rank the
+    returns (args, world). Rank 0 chooses the run (`runs.locate`) and sends every rank the
     saved flags (args.json) of a run it continues: they become the defaults, which the command
     line overrides, so `--resume RUN_DIR` alone continues the run as it was launched. On return
     `args.run_dir` is the run directory and `args.resume` the checkpoint file to load (or None).
@@ -31,8 +31,8 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
     found, error = None, None
     if world.is_main:
         try:
-            run_dir, ckpt = checkpoint.locate(args, script)
-            found = (str(run_dir), str(ckpt) if ckpt else None, checkpoint.saved_args(ckpt))
+            run_dir, ckpt = runs.locate(args, script)
+            found = (str(run_dir), str(ckpt) if ckpt else None, runs.saved_args(ckpt))
         except (OSError, ValueError) as e:
             error = str(e)
     if error := dist.agree(error):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.gpu import clock, set_gpu_habits
+
 if dist.is_available():
     # Now, before any group exists: its collectives' default `group=group.WORLD`, evaluated on
     # import (torch._dynamo imports it with an optimizer), is then None, not a group held for
@@ -119,43 +121,9 @@ def shared_gpu(gpus: list[str]) -> str | None:
     return None
 
 
-def set_gpu_habits() -> None:
-    torch.backends.cudnn.benchmark = True  # fixed input shapes: autotune each convolution once
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions (Ampere+)
-    torch.backends.cudnn.allow_tf32 = True
-
-
-def compiled(fn, on: bool):
-    """The sampling step's network under --compile: torch.compile(mode="reduce-overhead"), CUDA
-    graphs on a GPU (its batch is fixed: one compilation per group size). Off by default: per-step
-    inference at batch 8 to 16 is launch-bound, but no GPU run has yet shown the gain."""
-    global _compile
-    _compile = _compile or on
-    return torch.compile(fn, mode="reduce-overhead") if on else fn
-
-
-def switches() -> dict:
-    """The performance switches in force, for summary.json."""
-    return {"cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "distribution_validation": torch.distributions.Distribution._validate_args,
-            "compile": _compile,
-            "backend": dist.get_backend() if dist.is_available() and dist.is_initialized()
-            else None}
-
-
-def clock(device: torch.device) -> float:
-    """perf_counter() once `device` has run its queued work (a GPU's kernels outlast launch)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 _timeout = 600.0
 _made_group = False  # this process joined a group: finish() and fail() end it with os._exit
 _io_group = None  # gloo, with IO_GRACE more: the collectives that wait for checkpoint writes
-_compile = False  # some network was compiled (compiled())
 _exit_fns: list = []  # on_exit()
 name_dead_peer = None  # set by central_optim: ends this rank naming a peer that died, if one did
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common import dist
+from common import dist, gpu
 
 PHASES = ("env", "inference", "learn", "comm")
 
@@ -132,7 +132,7 @@ class Logger:
             "device": str(self.world.device),
             "gpu": self.world.device.type == "cuda",
             "phase_seconds": self.phase_total,
-            "switches": dist.switches(),  # the GPU habits and --compile in force
+            "switches": gpu.switches(),  # the GPU habits and --compile in force
             "gpu_memory_bytes": torch.cuda.max_memory_allocated(self.world.device)
             if self.world.device.type == "cuda" else None,
             "eval_return": ev.get("mean_return"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from common.sampler import Upload
+from common.gpu import Upload
 
 TERM, TRUNC = 1, 2  # flags bits 0 and 1; bits 2-3: what the stack held before the newest frame
 HISTORY, ZEROS, REPEAT = 0, 1, 2

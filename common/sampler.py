@@ -123,32 +123,3 @@ class Sampler:
         for k, v in self.host.items():
             self.buf[k] = torch.from_numpy(v).to(self.device)
         return self.buf
-
-
-class Upload:
-    """Host tensors to a GPU in one copy (pageable copies wait, one per tensor): packed into a
-    reused pinned buffer, sent without waiting, viewed back with their shapes and dtypes; on the
-    CPU, the tensors as they are. For `--replay-device cpu`, APPO's rollouts, central pulls."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.host, self.sent = device, None, None
-
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.device.type != "cuda":
-            return tensors
-        spans, total = [], 0
-        for t in tensors.values():
-            n = t.numel() * t.element_size()
-            spans.append((total, n))
-            total += -(-n // 16) * 16  # aligned, so every span can be viewed as any dtype
-        if self.host is None or len(self.host) < total:
-            self.host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        elif self.sent is not None:
-            self.sent.synchronize()  # the previous upload has left the buffer
-        for t, (o, n) in zip(tensors.values(), spans):
-            self.host[o:o + n].view(t.dtype).view(t.shape).copy_(t)
-        dev = self.host[:total].to(self.device, non_blocking=True)
-        self.sent = torch.cuda.Event()
-        self.sent.record()
-        return {k: dev[o:o + n].view(t.dtype).view(t.shape)
-                for (k, t), (o, n) in zip(tensors.items(), spans)}

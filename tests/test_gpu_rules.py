@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import experiments
-from common import checkpoint, dist
+from common import checkpoint, dist, gpu
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ class FakeGpu:
 
     def __init__(self, monkeypatch):
         self.now, self.queued = 0.0, 0.0
-        monkeypatch.setattr(dist.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(gpu.time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
 
     def launch(self, seconds):
@@ -77,15 +77,15 @@ class FakeGpu:
 
 
 def test_phase_timers_give_queued_gpu_work_to_the_phase_that_queued_it(monkeypatch):
-    gpu, dev = FakeGpu(monkeypatch), torch.device("cuda", 0)
-    t0 = dist.clock(dev)
-    gpu.launch(0.3)  # the learner's backward, queued
-    t1 = dist.clock(dev)  # the end of learning: it waits for the backward
-    gpu.now += 0.05  # the collective itself
-    t2 = dist.clock(dev)
+    fake, dev = FakeGpu(monkeypatch), torch.device("cuda", 0)
+    t0 = gpu.clock(dev)
+    fake.launch(0.3)  # the learner's backward, queued
+    t1 = gpu.clock(dev)  # the end of learning: it waits for the backward
+    fake.now += 0.05  # the collective itself
+    t2 = gpu.clock(dev)
     assert (t1 - t0, t2 - t1) == pytest.approx((0.3, 0.05))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: pytest.fail("CPU synced"))
-    dist.clock(torch.device("cpu"))
+    gpu.clock(torch.device("cpu"))
 
 
 def test_cuda_rng_state_is_saved_and_restored_only_for_a_run_on_a_gpu(monkeypatch):
@@ -102,4 +102,4 @@ def test_cuda_rng_state_is_saved_and_restored_only_for_a_run_on_a_gpu(monkeypatc
 def test_no_argument_validation_in_torch_distributions_after_setup():
     dist.setup(cuda=False)
     assert torch.distributions.Distribution._validate_args is False
-    assert dist.switches()["distribution_validation"] is False
+    assert gpu.switches()["distribution_validation"] is False
