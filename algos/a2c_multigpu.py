@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Literal
 
 # torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need: on a 2-core CPU that cut the sampler to 0.4x the emulators' speed (README).
+# threads need: on a 2-core CPU that cut the sampler to 0.4x the emulators' speed (docs/results.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

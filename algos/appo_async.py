@@ -10,7 +10,7 @@ APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel
    update behind the learner, so the loss is decoupled PPO's (Hilton et al. 2021, arXiv
    2110.00641): the clip is around the proximal policy, the learner's own as the update starts,
    and mu enters only through the weight pi_prox / mu. Clipping against mu (PPO's loss as is)
-   cut the gradient of most samples from the first minibatch on (README, "APPO and lag").
+   cut the gradient of most samples from the first minibatch on (docs/results.md, "APPO and lag").
 2. Across ranks: central parameters and Adam state in the machine's shared memory
    (common/central_optim.py). After each minibatch gradient a rank applies Adam to the central
    copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Literal
 
 # torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need (README, throughput on a 2-core CPU).
+# threads need (docs/results.md, throughput on a 2-core CPU).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

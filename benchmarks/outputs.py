@@ -1,6 +1,6 @@
 """Where a benchmark writes when it is given no --out, and how it avoids overwriting anything.
 
-benchmarks/results/ holds the committed numbers the README quotes, so no benchmark writes there
+benchmarks/results/ holds the committed numbers the docs quote, so no benchmark writes there
 unless --out names it: a default output goes under runs/benchmarks/ (git ignores runs/). A
 default path that exists already is never overwritten: the new output takes the next free name
 (-2, -3, ... before the extension), so a rerun keeps the last one. An explicit --out is written

@@ -5,8 +5,8 @@
     python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \\
         --targets 0 0.9 --window 20 --extra "--num-steps 32 --learning-rate 1e-3"
 
-The recipe (`recipe()`, README "Pong in minutes") is algos/ppo_multigpu.py with settings chosen
-for wall-clock time on one GPU fed by many cores, each with its source:
+The recipe (`recipe()`; docs/results.md, "Pong in minutes") is algos/ppo_multigpu.py with settings
+chosen for wall-clock time on one GPU fed by many cores, each with its source:
   environments   4 per core (--envs-per-core; cores: those this process may use), so the same
                  command sizes itself for 16 cores (64 envs) and for 2 (8 envs): enough per
                  emulator thread that none waits on a slow one (gpu_check.py's ceiling uses 4)

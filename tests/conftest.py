@@ -149,7 +149,7 @@ LONGEST = ("test_gpu_check.py", "learns_catch", "killed_rank", "torchrun_two_ran
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: a learning, torchrun, benchmark or GPU-check run; the quick tier "
-        "(-m 'not slow', README: Tests) leaves these out, the whole suite and CI run them")
+        "(-m 'not slow', docs/tests.md) leaves these out, the whole suite and CI run them")
 
 
 def pytest_collection_modifyitems(items):
