@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common import gpu, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
-from common.logger import Logger, crossed  # noqa: E402
+from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -333,6 +332,7 @@ def main() -> None:
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
+    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
 
     step = gpu.compiled(agent, args.compile)
 
@@ -356,7 +356,6 @@ def main() -> None:
 
     stopped = False  # by a signal: no final evaluation, the job must end quickly
     stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
-    env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     iteration = 0
     while global_step < args.total_timesteps:
         iteration += 1
@@ -376,10 +375,9 @@ def main() -> None:
         central_step = central.add_steps(batch_per_rank) if central else global_step
 
         # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
-        learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
-        stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args, central)
-        learn += gpu.clock(device) - learn_t0 - seconds
-        comm += seconds
+        with phases("learn"):
+            stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args, central)
+        phases.add("comm", seconds, taken_from="learn")
         for k, v in stats.items():
             stat_sums[k] = stat_sums.get(k, 0.0) + v
         stat_count += 1
@@ -390,19 +388,15 @@ def main() -> None:
             saved_at = global_step
         if iteration % log_every and global_step < args.total_timesteps:
             continue  # not a logging iteration: keep accumulating stats and phase times
-        eval_s = time.perf_counter()
         if eval_env and crossed(args.eval_interval, global_step, logged_at):
-            last_eval = logger.eval(global_step, evaluate())
-        eval_s = time.perf_counter() - eval_s
+            with phases("eval"):
+                last_eval = logger.eval(global_step, evaluate())
         means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one host sync
         logger.log(global_step,
                    {**{f"losses/{k}": m for k, m in zip(stat_sums, means)},
                     "charts/learning_rate": lr},
-                   sampler.pop_episodes(),
-                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm, "eval": eval_s})
+                   sampler.pop_episodes(), phases.pop())
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
         if stop(device):
             if world.is_main:
                 print(f"\nstopped by signal at step {global_step:,}; continue with "

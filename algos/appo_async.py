@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,12 +42,12 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import (central_optim, checkpoint, cli, dist, envs, evaluation, gpu, runs,  # noqa: E402
-                    signals)
+from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
+from common import runs, signals  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common.gpu import Upload  # noqa: E402
-from common.logger import Logger, crossed  # noqa: E402
+from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 
 
 @dataclass
@@ -362,6 +361,7 @@ def main() -> None:
                            seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)),
                            compile=args.compile)
     logger = Logger(run_dir, world, args, state, global_batch)
+    phases = PhaseClock(device)  # seconds per phase between log calls
     upload = Upload(device)
     version = 0  # updates this rank's learner has published to its sampler
     lag_sum, lag_max, trained, dropped = state["lag"] if state else (0, 0, 0, 0)  # all ranks
@@ -388,13 +388,12 @@ def main() -> None:
                                        if args.anneal_lr else 1.0)
 
             # ---- sampling runs in the sampler process: take the next rollout fresh enough ----
-            waits = dict.fromkeys(("env", "inference", "sampler_wait", "learner_wait"), 0.0)
             episodes, my_dropped = [], 0
             while True:
                 i, info = sampler.get()
                 for k, key in (("env", "time_env"), ("inference", "time_inference"),
                                ("sampler_wait", "sampler_wait"), ("learner_wait", "learner_wait")):
-                    waits[k] += info[key]
+                    phases.add(k, info[key])  # the sampler's, overlapping learning
                 episodes += info["episodes"]
                 lag = version - info["version"]
                 if lag <= args.max_policy_lag:
@@ -405,34 +404,33 @@ def main() -> None:
             global_step += global_batch
 
             # ---- learning: GAE on the behaviour values, the proximal pass, PPO epochs ----
-            learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
-            with torch.no_grad():
-                advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
-                                 rollout["truncated"], rollout["final_values"],
-                                 rollout["next_value"], args.gamma, args.gae_lambda)
-            batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
-                     "actions": rollout["actions"].flatten(), "logprob": rollout["logprob"].flatten(),
-                     "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
-                     "returns": (advantages + rollout["value"]).flatten()}
-            central.pull()  # the proximal policy: other ranks' steps since our last included
-            batch["prox_logprob"], batch["prox_value"] = proximal(
-                agent, batch["obs"], batch["actions"], batch_per_rank // args.num_minibatches)
-            stats, comm = appo_update(agent, central, batch, args, lr)
-            y, y_pred = batch["returns"], batch["value"]
-            explained_var = (1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)).item()
-            version += 1
-            sampler.publish(agent, version)
-            sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
-            learn = gpu.clock(device) - learn_t0 - comm
+            with phases("learn"):
+                with torch.no_grad():
+                    advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
+                                     rollout["truncated"], rollout["final_values"],
+                                     rollout["next_value"], args.gamma, args.gae_lambda)
+                batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
+                         "actions": rollout["actions"].flatten(),
+                         "logprob": rollout["logprob"].flatten(),
+                         "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
+                         "returns": (advantages + rollout["value"]).flatten()}
+                central.pull()  # the proximal policy: other ranks' steps since our last included
+                batch["prox_logprob"], batch["prox_value"] = proximal(
+                    agent, batch["obs"], batch["actions"], batch_per_rank // args.num_minibatches)
+                stats, comm = appo_update(agent, central, batch, args, lr)
+                y, y_pred = batch["returns"], batch["value"]
+                explained_var = (1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)).item()
+                version += 1
+                sampler.publish(agent, version)
+                sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
+            phases.add("comm", comm, taken_from="learn")
 
             # ---- evaluation, logging and checkpoints: the once-per-rollout meeting of ranks ----
-            eval_s = time.perf_counter()
             if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
-                last_eval = logger.eval(global_step, evaluate())
-            eval_s = time.perf_counter() - eval_s
-            meet_t0 = time.perf_counter()
-            lags = dist.all_gather((lag, my_dropped))
-            comm += time.perf_counter() - meet_t0  # waiting for slower ranks included
+                with phases("eval"):
+                    last_eval = logger.eval(global_step, evaluate())
+            with phases("comm"):  # waiting for slower ranks included
+                lags = dist.all_gather((lag, my_dropped))
             lag_sum += sum(x for x, _ in lags)
             lag_max = max(lag_max, *(x for x, _ in lags))
             trained += len(lags)
@@ -444,7 +442,7 @@ def main() -> None:
                         "charts/policy_lag_mean": sum(x for x, _ in lags) / len(lags),
                         "charts/policy_lag_max": max(x for x, _ in lags),
                         "charts/dropped_rollouts": dropped},
-                       episodes, {**waits, "learn": learn, "comm": comm, "eval": eval_s})
+                       episodes, phases.pop())
             if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
                 save()
                 saved_at = global_step

@@ -46,7 +46,6 @@ import copy
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,7 +63,7 @@ from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  
 from common import replay_shard  # noqa: E402
 from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
-from common.logger import Logger, crossed  # noqa: E402
+from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -341,6 +340,7 @@ def main() -> None:
     policy = GroupPolicy(gpu.compiled(model.q_values, args.compile))  # eps-greedy on E[Z]
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
+    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
     stop = signals.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
@@ -367,7 +367,6 @@ def main() -> None:
 
     stopped = False  # by a signal: no final evaluation, the job must end quickly
     stat_sums, stat_count = {}, 0
-    env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
     while global_step < args.total_timesteps:
         iteration += 1
 
@@ -380,23 +379,24 @@ def main() -> None:
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        learn_t0, seconds = gpu.clock(device), 0.0
-        if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
-            beta = args.priority_beta + (1 - args.priority_beta) * min(
-                1.0, global_step / args.total_timesteps)
-            for _ in range(replay_shard.updates_due(counters, args, global_batch, world.world_size)):
-                batch = replay.sample(args.batch_size, beta, device)
-                stats, ce, c = c51_update(model, target, optimizer, batch, args)
-                replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
-                seconds += c
-                for k, v in stats.items():
-                    stat_sums[k] = stat_sums.get(k, 0.0) + v
-                stat_count += 1
-        interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
-        if global_step // interval > (global_step - global_batch) // interval:
-            target.load_state_dict(model.state_dict())
-        learn += gpu.clock(device) - learn_t0 - seconds
-        comm += seconds
+        seconds = 0.0  # communication inside the updates
+        with phases("learn"):
+            if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
+                beta = args.priority_beta + (1 - args.priority_beta) * min(
+                    1.0, global_step / args.total_timesteps)
+                due = replay_shard.updates_due(counters, args, global_batch, world.world_size)
+                for _ in range(due):
+                    batch = replay.sample(args.batch_size, beta, device)
+                    stats, ce, c = c51_update(model, target, optimizer, batch, args)
+                    replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
+                    seconds += c
+                    for k, v in stats.items():
+                        stat_sums[k] = stat_sums.get(k, 0.0) + v
+                    stat_count += 1
+            interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
+            if global_step // interval > (global_step - global_batch) // interval:
+                target.load_state_dict(model.state_dict())
+        phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation and checkpoints ----
         if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
@@ -410,15 +410,12 @@ def main() -> None:
         if stat_count:
             means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one sync
             scalars.update({f"losses/{k}": m for k, m in zip(stat_sums, means)})
-        eval_s = time.perf_counter()
         if eval_env and crossed(args.eval_interval, global_step, logged_at):
-            last_eval = logger.eval(global_step, evaluate())
-        logger.log(global_step, scalars, sampler.pop_episodes(),
-                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm, "eval": time.perf_counter() - eval_s},
+            with phases("eval"):
+                last_eval = logger.eval(global_step, evaluate())
+        logger.log(global_step, scalars, sampler.pop_episodes(), phases.pop(),
                    status=exploration_status(eps, counters["learn_from"], global_step))
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        env_t0, inf_t0, learn, comm = sampler.time_env, sampler.time_inference, 0.0, 0.0
         if stop(device):
             if world.is_main:
                 print(f"\nstopped by signal at step {global_step:,}; continue with "

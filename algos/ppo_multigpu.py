@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,7 +32,7 @@ from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
-from common.logger import Logger, crossed  # noqa: E402
+from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -268,6 +267,7 @@ def main() -> None:
     step = gpu.compiled(agent, args.compile)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
+    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
     stop = signals.StopRequest()
 
     def save():
@@ -291,38 +291,35 @@ def main() -> None:
         optimizer.param_groups[0]["lr"] = lr
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
-        env_t0, inf_t0 = sampler.time_env, sampler.time_inference
         rollout = sampler.collect(lambda obs: act(step, obs), value_fn=lambda o: agent(o)[1])
         global_step += global_batch
 
         # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----
-        learn_t0 = gpu.clock(device)  # a GPU's queued work belongs to the phase that queued it
-        with torch.no_grad():
-            next_value = agent(sampler.next_obs)[1]
-            advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
-                             rollout["truncated"], rollout["final_values"], next_value,
-                             args.gamma, args.gae_lambda)
-        batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
-                 "actions": rollout["actions"].flatten(), "logprob": rollout["logprob"].flatten(),
-                 "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
-                 "returns": (advantages + rollout["value"]).flatten()}
-        stats, comm = ppo_update(agent, optimizer, batch, args)
-        learn = gpu.clock(device) - learn_t0 - comm
+        with phases("learn"):
+            with torch.no_grad():
+                next_value = agent(sampler.next_obs)[1]
+                advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
+                                 rollout["truncated"], rollout["final_values"], next_value,
+                                 args.gamma, args.gae_lambda)
+            batch = {"obs": rollout["obs"].flatten(0, 1),  # [T * B, 4, 84, 84] uint8
+                     "actions": rollout["actions"].flatten(),
+                     "logprob": rollout["logprob"].flatten(), "value": rollout["value"].flatten(),
+                     "advantages": advantages.flatten(),
+                     "returns": (advantages + rollout["value"]).flatten()}
+            stats, comm = ppo_update(agent, optimizer, batch, args)
+        phases.add("comm", comm, taken_from="learn")
 
         # ---- evaluation, logging and checkpoints ----
-        eval_s = time.perf_counter()
         if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
-            last_eval = logger.eval(global_step, evaluate())
-        eval_s = time.perf_counter() - eval_s
+            with phases("eval"):
+                last_eval = logger.eval(global_step, evaluate())
         y, y_pred = batch["returns"], batch["value"]
         explained_var = 1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)
         logger.log(global_step,
                    {**{f"losses/{k}": v for k, v in stats.items()},
                     "losses/explained_variance": explained_var.item(),
                     "charts/learning_rate": lr},
-                   sampler.pop_episodes(),
-                   {"env": sampler.time_env - env_t0, "inference": sampler.time_inference - inf_t0,
-                    "learn": learn, "comm": comm, "eval": eval_s})
+                   sampler.pop_episodes(), phases.pop())
         if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()
             saved_at = global_step

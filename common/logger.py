@@ -7,6 +7,7 @@ and `mean_return_last100` cover all environments of the run, not only rank 0's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -24,6 +25,41 @@ def crossed(interval: int, step: int, previous: int) -> bool:
     """Whether `step` passed a multiple of `interval` (> 0) since `previous`: checkpoints and
     evaluations fall due on the global step, so every rank, and a resumed run, agree on them."""
     return interval > 0 and step // interval > previous // interval
+
+
+class PhaseClock:
+    """Seconds per phase since the last log call, as Logger.log takes them: a sampler's own
+    `time_env` / `time_inference` counters, and what `with phases("learn"):` times with the
+    device clock (a GPU's queued work belongs to the phase that queued it). Time a phase only
+    when it runs: on a GPU each reading waits for the device."""
+
+    def __init__(self, device: torch.device, sampler=None):
+        self.device, self.sampler, self.times = device, sampler, {}
+        self.base = (sampler.time_env, sampler.time_inference) if sampler is not None else None
+        self.pop()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = gpu.clock(self.device)
+        yield
+        self.add(phase, gpu.clock(self.device) - t0)
+
+    def add(self, phase: str, seconds: float, taken_from: str | None = None) -> None:
+        """`seconds` to `phase`; `taken_from`: the timed phase they were part of (the
+        all-reduce measured inside learning is communication, not learning)."""
+        self.times[phase] = self.times.get(phase, 0.0) + seconds
+        if taken_from:
+            self.times[taken_from] -= seconds
+
+    def pop(self) -> dict[str, float]:
+        """The phases since the last pop, and a new start."""
+        out = self.times
+        if self.sampler is not None:
+            out["env"] = self.sampler.time_env - self.base[0]
+            out["inference"] = self.sampler.time_inference - self.base[1]
+            self.base = (self.sampler.time_env, self.sampler.time_inference)
+        self.times = {"learn": 0.0, "comm": 0.0, "eval": 0.0}
+        return out
 
 
 class Logger:

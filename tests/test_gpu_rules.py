@@ -88,6 +88,29 @@ def test_phase_timers_give_queued_gpu_work_to_the_phase_that_queued_it(monkeypat
     gpu.clock(torch.device("cpu"))
 
 
+def test_phase_clock_splits_an_iteration_into_its_phases(monkeypatch):
+    """The scripts' phase bookkeeping: learning timed on the device clock (its queued work
+    included), the all-reduce measured inside it moved to communication, the sampler's own
+    counters read as differences, evaluation only when timed, and a fresh start at each pop."""
+    from types import SimpleNamespace
+
+    from common.logger import PhaseClock
+    fake, dev = FakeGpu(monkeypatch), torch.device("cuda", 0)
+    sampler = SimpleNamespace(time_env=5.0, time_inference=2.0)
+    phases = PhaseClock(dev, sampler)
+    sampler.time_env, sampler.time_inference = 5.5, 2.25  # one rollout
+    with phases("learn"):
+        fake.launch(0.3)  # queued: the clock at the end waits for it
+    phases.add("comm", 0.05, taken_from="learn")
+    assert phases.pop() == pytest.approx({"env": 0.5, "inference": 0.25, "learn": 0.25,
+                                          "comm": 0.05, "eval": 0.0})
+    with phases("eval"):
+        fake.now += 1.0
+    phases.add("sampler_wait", 0.5)  # any phase a script reports (APPO's waits)
+    assert phases.pop() == pytest.approx({"env": 0.0, "inference": 0.0, "learn": 0.0,
+                                          "comm": 0.0, "eval": 1.0, "sampler_wait": 0.5})
+
+
 def test_cuda_rng_state_is_saved_and_restored_only_for_a_run_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
