@@ -13,7 +13,7 @@ throughput-cat-dqn-<host>-<device>.json).
                    ratio 8: one update an iteration) but --learning-starts 2048, so learning is on
                    from the first progress line, stopped with SIGINT after --catdqn.e2e-seconds.
 
-Target (issue 7): the projection is a negligible share of an update at batch 2048.
+Target: the projection is a negligible share of an update at batch 2048.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
                       replay ratio 8) but --learning-starts 2048, so learning is on from the
                       first progress line, stopped with SIGINT after --dqn.e2e-seconds.
 
-Target (issue 6): sampling a batch takes under 10% of one update on the same device.
+Target: sampling a batch takes under 10% of one update on the same device.
 """
 
 from __future__ import annotations
