@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
 from common import gpu, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
+from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
@@ -194,23 +195,6 @@ def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamm
         running = rewards[t] + gamma * running
         returns[t] = running
     return returns
-
-
-def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout,
-    with the same episode-boundary rules as nstep_returns (lam = 1 gives its returns - values).
-    """
-    T = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(next_value)
-    for t in reversed(range(T)):
-        v_next = next_value if t == T - 1 else values[t + 1]
-        v_next = torch.where(truncated[t], final_values[t], v_next)
-        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
-        delta = rewards[t] + gamma * v_next - values[t]
-        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
-        advantages[t] = running
-    return advantages
 
 
 def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:

@@ -47,6 +47,7 @@ from common import runs, signals  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common.gpu import Upload  # noqa: E402
+from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 
 
@@ -192,23 +193,6 @@ def value(agent: Agent, obs: torch.Tensor) -> torch.Tensor:
     return agent(obs)[1]
 
 
-def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout, as
-    ppo_multigpu.py computes it (tests/test_appo.py checks they agree): at a termination the next
-    value is 0, at a truncation the true last observation's (final_values)."""
-    T = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(next_value)
-    for t in reversed(range(T)):
-        v_next = next_value if t == T - 1 else values[t + 1]
-        v_next = torch.where(truncated[t], final_values[t], v_next)
-        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
-        delta = rewards[t] + gamma * v_next - values[t]
-        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
-        advantages[t] = running
-    return advantages
-
-
 @torch.no_grad()
 def proximal(agent: Agent, obs: torch.Tensor, actions: torch.Tensor,
              chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,6 +248,7 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
                                                batch["prox_logprob"][idx], adv[idx],
                                                args.clip_coef, args.imp_samp_max)
             logratio = new_logprob - batch["prox_logprob"][idx]  # PPO's statistics without lag
+            behav_logratio = new_logprob - behav_logprob  # what PPO's loss as is would clip
             ret, old_v = batch["returns"][idx], batch["prox_value"][idx]
             if args.clip_vloss:
                 v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
@@ -286,10 +271,10 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
                              ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
                              ("approx_kl", approx_kl),
                              ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean()),
-                             ("clipfrac_behaviour", ((new_logprob - behav_logprob).exp() - 1).abs()
-                              .gt(args.clip_coef).float().mean()),
-                             ("imp_samp_clipfrac", (new_logprob - behav_logprob).gt(
-                                 math.log(args.imp_samp_max or math.inf)).float().mean())):
+                             ("clipfrac_behaviour", ((behav_logratio.exp() - 1).abs()
+                                                     > args.clip_coef).float().mean()),
+                             ("imp_samp_clipfrac", (behav_logratio > math.log(
+                                 args.imp_samp_max or math.inf)).float().mean())):
                     sums[k] += v  # device tensors: no host sync per minibatch
             updates += 1
         if args.target_kl is not None and torch.stack(kls).mean().item() > args.target_kl:

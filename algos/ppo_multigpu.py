@@ -32,6 +32,7 @@ from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
+from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
@@ -150,26 +151,6 @@ def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.
     pi = Categorical(logits=logits)
     action = pi.sample()
     return action, {"logprob": pi.log_prob(action), "value": value}
-
-
-def gae(rewards, values, terminated, truncated, final_values, next_value, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16) over a [T, B] rollout.
-
-    At a termination the next state's value is 0. At a truncation it is the value of the true
-    last observation (final_values), since the episode would have gone on. Either way the
-    recursion does not cross into the next episode. next_value [B] bootstraps the last step.
-    """
-    T = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    running = torch.zeros_like(next_value)
-    for t in reversed(range(T)):
-        v_next = next_value if t == T - 1 else values[t + 1]
-        v_next = torch.where(truncated[t], final_values[t], v_next)
-        v_next = torch.where(terminated[t], torch.zeros_like(v_next), v_next)
-        delta = rewards[t] + gamma * v_next - values[t]
-        running = delta + gamma * lam * running * ~(terminated[t] | truncated[t])
-        advantages[t] = running
-    return advantages
 
 
 def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
