@@ -43,7 +43,7 @@ from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
-from common import runs, signals  # noqa: E402
+from common import async_sampler, runs, signals  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common.gpu import Upload  # noqa: E402
@@ -299,13 +299,7 @@ def main() -> None:
         dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
     if args.max_policy_lag < 0:
         dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
-    allowed = os.sched_getaffinity(0)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cores = list(args.sampler_cores[world.local_rank::local_ranks] or args.sampler_cores)
-    learner_cores = allowed - set(args.sampler_cores)
-    if not set(args.sampler_cores) <= allowed:
-        dist.fail(f"--sampler-cores {list(args.sampler_cores)} are not all among the cores this "
-                  f"process may use: {sorted(allowed)}")
+    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
 
     # ---- set-up: environments, run directory, model, central optimizer, sampler ----
     device = world.device
@@ -327,9 +321,6 @@ def main() -> None:
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = checkpoint.restore(state, world, model=agent)  # or 0
-    if cores and learner_cores:  # disjoint cores: sampling and learning really overlap
-        os.sched_setaffinity(0, learner_cores)
-        torch.set_num_threads(max(1, len(learner_cores) // local_ranks))
 
     # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
     stop = signals.StopRequest()

@@ -15,6 +15,9 @@ over all ranks (Sec. 3.2). Options as in Rainbow (Hessel et al. 2018): --n-step 
 Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
 its shard and takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
 fraction (16 envs x 16 steps at batch 2048, ratio 8: one update an iteration on one rank).
+With --async-sampling each rank's environments run in a sampler process that fills the next
+rollout while the rank learns (common/replay_feed.py, as in dqn_multigpu.py); the replay stays
+in the learner and the replay ratio stays exact.
 
 Presets (--preset; flags on the command line override them):
   catdqn-2k   (default) the paper's CatDQN-2K: batch 2048 per rank, Adam epsilon 0.01/2048 (the
@@ -36,6 +39,7 @@ Launch:
     python algos/cat_dqn.py --env-id Breakout-v5                          # one process
     python algos/cat_dqn.py --preset c51-nature                           # the 2017 settings
     torchrun --standalone --nproc_per_node 8 algos/cat_dqn.py             # 8 GPUs, one machine
+    python algos/cat_dqn.py --no-cuda --async-sampling --sampler-cores 0  # 2 CPU cores
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 algos/cat_dqn.py                       # 2 machines
 """
@@ -47,6 +51,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -59,12 +64,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
-from common import replay_shard  # noqa: E402
-from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
+from common import async_sampler, checkpoint, cli, dist, evaluation, runs, signals  # noqa: E402
+from common import replay_feed, replay_shard  # noqa: E402
+from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
 
 
 @dataclass
@@ -156,6 +160,16 @@ class Args:
     """Adam epsilon (C51: 0.01/32; the authors' code: 0.01/batch)"""
     max_grad_norm: float = 10.0
     """global gradient-norm clip after averaging over ranks (rlpyt's DQN: 10); 0 turns it off"""
+    async_sampling: bool = False
+    """step the environments in a sampler process while this one learns (common/replay_feed.py);
+    a rollout then acts with parameters --num-buffers - 1 rounds of updates older"""
+    num_buffers: int = 2
+    """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
+    trains on the other; more absorb jitter at the price of older rollouts"""
+    sampler_cores: tuple[int, ...] = ()
+    """CPU cores for the sampler processes (emulators and inference), dealt out to the ranks of
+    the machine (local rank r of n takes every n-th from the r-th); the learners run on the
+    other cores. Empty: no pinning, everything shares the cores"""
     eps_schedule: Literal["linear", "apex"] = "linear"
     """exploration: one annealed epsilon, or fixed per-environment epsilons (as dqn_multigpu)"""
     eps_start: float = 1.0
@@ -296,21 +310,17 @@ def main() -> None:
         dist.fail(f"need --num-atoms >= 2 and --v-min < --v-max, got {args.num_atoms} atoms on "
                   f"[{args.v_min}, {args.v_max}]")
 
+    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
+
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
-    try:
-        env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
-                                    episodic_life=args.episodic_life,
-                                    sticky_actions=args.sticky_actions, fire_reset=args.fire_reset)
-        eval_env = evaluation.make_envs(args)
-    except envs.EnvError as e:
-        dist.fail(str(e))
+    num_actions, eval_env = replay_feed.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
     run_dir, state = runs.prepare_run(args, "cat_dqn", world)
 
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = C51Network(env_groups[0].num_actions, support, args.dueling).to(device)
+    model = C51Network(num_actions, support, args.dueling).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -335,12 +345,13 @@ def main() -> None:
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
     # about 2048 steps per rank; a function of the iteration count only, so ranks agree.
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
-    sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
-    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(gpu.compiled(model.q_values, args.compile))  # eps-greedy on E[Z]
+    # Epsilon-greedy on E[Z], one epsilon per environment column; stepped here or in a sampler
+    feed = replay_feed.ReplayFeed(args, world, model, partial(C51Network, num_actions, support,
+                                                              args.dueling), "q_values",
+                                  global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
+    phases = PhaseClock(device)  # seconds per phase between log calls
     stop = signals.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
@@ -357,12 +368,6 @@ def main() -> None:
                                                               eval_eps[:len(obs)]),
                                    eval_env, args, world, global_step)
 
-    finals = []  # true last observations of truncated episodes, in the order the sampler meets them
-
-    def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
-        finals.append(obs)
-        return torch.zeros(len(obs), device=obs.device)
-
     saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
 
     stopped = False  # by a signal: no final evaluation, the job must end quickly
@@ -372,10 +377,7 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
-        rollout = sampler.collect(policy.start(eps), value_fn=keep_final)
-        replay.add(rollout["obs"], rollout["actions"], rollout["rewards"], rollout["terminated"],
-                   rollout["truncated"], sampler.next_obs, torch.cat(finals) if finals else None)
-        finals.clear()
+        feed.collect(eps, replay, phases)  # --async-sampling: sampled while the last round learnt
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
@@ -396,6 +398,7 @@ def main() -> None:
             interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
             if global_step // interval > (global_step - global_batch) // interval:
                 target.load_state_dict(model.state_dict())
+            feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
         phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation and checkpoints ----
@@ -413,7 +416,7 @@ def main() -> None:
         if eval_env and crossed(args.eval_interval, global_step, logged_at):
             with phases("eval"):
                 last_eval = logger.eval(global_step, evaluate())
-        logger.log(global_step, scalars, sampler.pop_episodes(), phases.pop(),
+        logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
                    status=exploration_status(eps, counters["learn_from"], global_step))
         logged_at, stat_sums, stat_count = global_step, {}, 0
         if stop(device):
@@ -433,8 +436,9 @@ def main() -> None:
     logger.summary(global_step, last_eval, updates=counters["updates"],
                    replay_bytes_per_transition=replay.bytes_per_transition())
     logger.close()
-    for e in env_groups + ([eval_env] if eval_env else []):
-        e.close()
+    feed.close()
+    if eval_env:
+        eval_env.close()
     dist.finish()
 
 

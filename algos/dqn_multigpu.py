@@ -22,6 +22,10 @@ update count (every chunk counts the gradients it took); the target network is a
 central parameters taken each time the central step crosses --target-update-interval, and the
 exploration and importance-sampling schedules follow the central step. One machine only.
 
+Overlapped sampling (--async-sampling, with or without --asynchronous, any number of ranks):
+each rank's environments run in a sampler process that fills the next rollout while the rank
+learns (common/replay_feed.py); the replay stays in the learner, and the replay ratio is exact.
+
 Presets (--preset; flags on the command line override them):
   dqn-nature       Mnih et al. 2015: batch 32, centered RMSProp lr 2.5e-4, target every 10,000
                    updates (40,000 steps), eps 1 -> 0.1 over 1M frames, learning starts at 50,000.
@@ -47,6 +51,7 @@ Launch:
     python algos/dqn_multigpu.py --preset eps-rainbow-512                 # a documented preset
     torchrun --standalone --nproc_per_node 8 algos/dqn_multigpu.py        # 8 GPUs, one machine
     torchrun --standalone --nproc_per_node 4 algos/dqn_multigpu.py --asynchronous
+    python algos/dqn_multigpu.py --no-cuda --async-sampling --sampler-cores 0   # 2 CPU cores
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 algos/dqn_multigpu.py                  # 2 machines
 """
@@ -71,14 +76,12 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
-from common import gpu, runs, signals  # noqa: E402
+from common import central_optim, checkpoint, cli, dist, evaluation  # noqa: E402
+from common import async_sampler, replay_feed, replay_shard, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
-from common import replay_shard  # noqa: E402
-from common.exploration import GroupPolicy, epsilon_greedy, epsilons  # noqa: E402
+from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
 
 
 @dataclass
@@ -170,6 +173,16 @@ class Args:
     (common/central_optim.py), with no all-reduce; one machine only"""
     num_chunks: int = 3
     """chunks of the central parameters, each under its own lock (paper: 3)"""
+    async_sampling: bool = False
+    """step the environments in a sampler process while this one learns (common/replay_feed.py);
+    a rollout then acts with parameters --num-buffers - 1 rounds of updates older"""
+    num_buffers: int = 2
+    """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
+    trains on the other; more absorb jitter at the price of older rollouts"""
+    sampler_cores: tuple[int, ...] = ()
+    """CPU cores for the sampler processes (emulators and inference), dealt out to the ranks of
+    the machine (local rank r of n takes every n-th from the r-th); the learners run on the
+    other cores. Empty: no pinning, everything shares the cores"""
     eps_schedule: Literal["linear", "apex"] = "linear"
     """exploration: one annealed epsilon, or fixed per-environment epsilons (module docstring)"""
     eps_start: float = 1.0
@@ -282,21 +295,17 @@ def main() -> None:
             dist.fail("--asynchronous steps with the central Adam: Nature's centered RMSProp has "
                       "no central form here; use --optimizer adam")
 
+    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
+
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
-    try:
-        env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
-                                    episodic_life=args.episodic_life,
-                                    sticky_actions=args.sticky_actions, fire_reset=args.fire_reset)
-        eval_env = evaluation.make_envs(args)
-    except envs.EnvError as e:
-        dist.fail(str(e))
+    num_actions, eval_env = replay_feed.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
     run_dir, state = runs.prepare_run(args, "dqn_multigpu", world,
                                            check=partial(central_optim.refusal, args))
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = QNetwork(env_groups[0].num_actions, args.dueling).to(device)
+    model = QNetwork(num_actions, args.dueling).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -327,12 +336,12 @@ def main() -> None:
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
     # about 2048 steps per rank; a function of the iteration count only, so ranks agree.
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
-    sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
-    sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    policy = GroupPolicy(gpu.compiled(model, args.compile))  # eps-greedy, one eps per env column
+    # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
+    feed = replay_feed.ReplayFeed(args, world, model, partial(QNetwork, num_actions, args.dueling),
+                                  "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
+    phases = PhaseClock(device)  # seconds per phase between log calls
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
         if central is not None:  # once every rank is between updates, the central copy is whole
@@ -351,12 +360,6 @@ def main() -> None:
         return evaluation.evaluate(lambda obs: epsilon_greedy(model(obs), eval_eps[:len(obs)]),
                                    eval_env, args, world, global_step)
 
-    finals = []  # true last observations of truncated episodes, in the order the sampler meets them
-
-    def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
-        finals.append(obs)
-        return torch.zeros(len(obs), device=obs.device)
-
     saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
 
     stopped = False  # by a signal: no final evaluation, the job must end quickly
@@ -368,10 +371,7 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, central_step, world.rank, world.world_size).to(device)
-        rollout = sampler.collect(policy.start(eps), value_fn=keep_final)
-        replay.add(rollout["obs"], rollout["actions"], rollout["rewards"], rollout["terminated"],
-                   rollout["truncated"], sampler.next_obs, torch.cat(finals) if finals else None)
-        finals.clear()
+        feed.collect(eps, replay, phases)  # --async-sampling: sampled while the last round learnt
         global_step += global_batch
         seen, central_step = central_step, (central.add_steps(global_batch // world.world_size)
                                             if central else global_step)
@@ -397,6 +397,7 @@ def main() -> None:
             interval = args.target_update_interval  # in global steps (Nature: in updates)
             if central_step // interval > seen // interval:  # asynchronous: each rank sees each once
                 target.load_state_dict(model.state_dict())  # the central parameters, just pulled
+            feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
         phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation and checkpoints ----
@@ -414,7 +415,7 @@ def main() -> None:
         if eval_env and crossed(args.eval_interval, global_step, logged_at):
             with phases("eval"):
                 last_eval = logger.eval(global_step, evaluate())
-        logger.log(global_step, scalars, sampler.pop_episodes(), phases.pop(),
+        logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
                    status=exploration_status(eps, counters["learn_from"], global_step))
         logged_at, stat_sums, stat_count = global_step, {}, 0
         if stop(device):
@@ -438,8 +439,9 @@ def main() -> None:
     logger.close()
     if central is not None:
         central.close()
-    for e in env_groups + ([eval_env] if eval_env else []):
-        e.close()
+    feed.close()
+    if eval_env:
+        eval_env.close()
     dist.finish()
 
 

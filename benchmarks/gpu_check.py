@@ -22,7 +22,9 @@ Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling
   ppo, a2c   end to end, plain and --alternate, on the ceiling's envs (GPU: PPO with --compile)
   dqn        sampling 512 from a 1M replay on the GPU against one DQN-512 update, the learners,
              and dqn_multigpu.py end to end with --replay-device auto --prioritized (GPU: also
-             --replay-device cpu, the pinned one-copy upload and priorities' way back)
+             --replay-device cpu, the pinned one-copy upload and priorities' way back); then
+             --async-sampling's overlap (throughput.py's dqn-async part, unpinned: the GPU
+             learns while the cores step): sampling alone, learning alone, end to end
   catdqn     C51's projection at 2048 against Algorithm 1, its learners, cat_dqn.py end to end
   appo       APPO's sampler process alone, its learner with central Adam alone, APPO end to end
              beside PPO (throughput.py's appo part, unpinned: the GPU against the cores)
@@ -36,7 +38,8 @@ chooses sizes, runs the steps and collects one table.
 Targets (figures to read, not tests):
   PPO and A2C end to end >= 70% of the ALE ceiling measured in the same run;
   alternating >= 1.3x plain where inference and simulation take similar time (see the phases);
-  DQN-512 and CatDQN-2048 updates/s; sampling 512 from 1M on the GPU < 5% of an update.
+  DQN-512 and CatDQN-2048 updates/s; sampling 512 from 1M on the GPU < 5% of an update;
+  DQN --async-sampling end to end >= 0.9 x min(sampling alone, learning alone).
 
 Output: one JSON and one markdown table, gpu-check-<host>-<device>.{json,md}, and a folder of the
 same name (each step's log, its result, the training runs) in --out (default runs/benchmarks/).
@@ -337,7 +340,21 @@ def step_dqn(c) -> list[dict]:
     if c.cuda:  # a host replay: batches go up in one pinned copy, priorities come back pinned
         rows.append(e2e(c, "dqn_multigpu", [*flags, "--replay-device", "cpu"], "dqn_e2e_host",
                         "DQN end to end, replay in host memory, prioritized"))
-    return rows
+    pinned = (0,) if not c.cuda and cores() > 1 else ()  # on a CPU, overlap needs own cores
+    a = dqn_part.Args(batch_size=c.s.batch, sampler_cores=pinned,
+                      replay_ratio=0.25 if c.s.replay < 1_000_000 else 8.0)  # quick: fewer updates
+    res = run_parts(c, "dqn-async", dqn=a)
+    o, run = res["overlap"], res["dqn_async_e2e"]
+    if "error" in run:
+        raise StepError(f"dqn_multigpu --async-sampling: {tail(run['error'])}")
+    return rows + [
+        row("DQN sampler process alone", res["sampling_alone"]["steps_per_s"]),
+        row(f"DQN learner alone (replay append, ratio {a.replay_ratio:g})",
+            res["learning_alone"]["steps_per_s"], in_process=True),
+        row("DQN end to end, --async-sampling", run["steady_sps"], key="dqn_async_over_min",
+            value=o["async_over_min"], phase_share=run.get("phase_share"),
+            notes=f"async/min(alone) {o['async_over_min']:.2f} (>= 0.9); plain bound "
+                  f"1/(1/S + 1/L) = {o['plain_bound']:,.0f}")]
 
 
 def step_catdqn(c) -> list[dict]:
@@ -426,11 +443,12 @@ STEPS = {
     "sprint": ("PPO's Pong sprint: minutes to 18 and 20, final evaluation", 230, step_sprint),
     "ale": ("raw ALE ceiling and the trivial sampler", 15, step_ale),
     "sampler": ("sampler with PPO's network, PPO's learner", 20, step_sampler),
-    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 45, step_ppo),
-    "a2c": ("A2C end to end, plain and alternating", 25, step_a2c),
-    "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay)", 40, step_dqn),
+    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 40, step_ppo),
+    "a2c": ("A2C end to end, plain and alternating", 20, step_a2c),
+    "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay), "
+            "--async-sampling's overlap", 55, step_dqn),
     "catdqn": ("C51 projection, learners, end to end", 25, step_catdqn),
-    "appo": ("APPO sampler process, central Adam, end to end", 40, step_appo),
+    "appo": ("APPO sampler process, central Adam, end to end", 35, step_appo),
     "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 20, step_resume),
     "two_ranks": ("2 ranks sharing the GPU over gloo", 20, step_two_ranks),
 }
@@ -601,6 +619,8 @@ def targets(steps: list[dict], ceiling: float | None) -> list[dict]:
                      div(v.get(f"{algo}_alternating"), v.get(f"{algo}_plain")), ">=", 1.3))
     out.append(("DQN: sampling a batch (prioritized) / one update; on the GPU 512 from 1M",
                 v.get("dqn_sample_prioritized"), "<", 0.05))
+    out.append(("DQN --async-sampling end to end / min(sampling alone, learning alone)",
+                v.get("dqn_async_over_min"), ">=", 0.9))
     out += [("DQN updates/s (dqn-512 preset; batch as in the table)", v.get("dqn_dqn-512"),
              None, None),
             ("CatDQN updates/s (catdqn-2k preset; batch as in the table)",

@@ -7,12 +7,14 @@ Parts (any subset; none named: all of them, in this order):
           PPO's learner, PPO end to end
   a2c     A2C end to end (written with ppo, to throughput-<host>-<device>.json)
   dqn     replay storage and sampling, DQN's learner, DQN end to end (throughput-dqn-...)
+  dqn-async  --async-sampling's overlap: DQN's sampling and learning alone and overlapped,
+          split by --dqn.sampler-cores (written with dqn)
   catdqn  C51's projection against Algorithm 1, its learner, end to end (throughput-cat-dqn-...)
   appo    APPO's sampling and learning alone and overlapped, beside PPO (throughput-appo-...)
 What each part measures and its targets: the docstrings of benchmarks/throughput_parts/ppo.py
-(ppo, a2c), dqn.py, cat_dqn.py and appo.py. Each family's options are --ppo.*, --dqn.*,
---catdqn.*, --appo.* (defaults as each was tuned); --seconds and --e2e-seconds set the timing
-of every part at once.
+(ppo, a2c), dqn.py (dqn, dqn-async), cat_dqn.py and appo.py. Each family's options are
+--ppo.*, --dqn.*, --catdqn.*, --appo.* (defaults as each was tuned); --seconds and
+--e2e-seconds set the timing of every part at once.
 
 Run:
     python benchmarks/throughput.py --no-cuda            # all parts: about 20 minutes on 2 cores
@@ -53,6 +55,7 @@ from benchmarks.throughput_parts import cat_dqn as catdqn_part  # noqa: E402
 from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
 from benchmarks.throughput_parts import ppo as ppo_part  # noqa: E402
 from benchmarks.throughput_parts.measure import hardware  # noqa: E402  # sets OMP_WAIT_POLICY
+from benchmarks.throughput_parts.measure import split_problem  # noqa: E402
 import torch  # noqa: E402
 from common import envs  # noqa: E402
 
@@ -61,7 +64,8 @@ FAMILIES = {"ppo": ppo_part, "dqn": dqn_part, "catdqn": catdqn_part, "appo": app
 PARTS = {name: key for key, family in FAMILIES.items() for name in family.PARTS}
 HELP = ("Throughput of accelrl's parts on this machine, and how close end-to-end training gets "
         "to them.\n\nParts (any subset; none named: all of them): ppo (raw env, sampler, PPO's "
-        "learner, PPO end to end), a2c (A2C end to end), dqn, catdqn, appo; what each measures: "
+        "learner, PPO end to end), a2c (A2C end to end), dqn, dqn-async, catdqn, appo; what each "
+        "measures: "
         "benchmarks/throughput_parts/*.py. One JSON per family in --out DIR; by default in "
         "runs/benchmarks/, numbered -2, -3, ... rather than over an existing file.")
 
@@ -70,7 +74,7 @@ HELP = ("Throughput of accelrl's parts on this machine, and how close end-to-end
 class Args:
     parts: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PART")] = \
         tuple(PARTS)
-    """parts to measure, any of ppo a2c dqn catdqn appo; none named: all of them"""
+    """parts to measure, any of ppo a2c dqn dqn-async catdqn appo; none named: all of them"""
     env_id: str = "Pong-v5"
     """game to measure (environments, and every end-to-end run)"""
     cuda: bool = True
@@ -123,6 +127,9 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
             raise UserError(f"{flag} must be positive, got {value:g}")
     chosen = {key: settings(args, key) for key in FAMILIES if key in {PARTS[n] for n in names}}
     if "appo" in chosen and (problem := appo_part.check(chosen["appo"])):
+        raise UserError(problem)
+    if "dqn-async" in names and (problem := split_problem("--dqn.sampler-cores",
+                                                          chosen["dqn"].sampler_cores)):
         raise UserError(problem)
     try:
         probe = envs.make_envs(args.env_id, 1)[0]

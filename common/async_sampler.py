@@ -31,7 +31,7 @@ from functools import partial
 import torch
 import torch.multiprocessing as mp
 
-from common import envs, gpu
+from common import dist, envs, gpu
 from common.sampler import Sampler
 
 
@@ -43,18 +43,24 @@ class AsyncSampler:
     """`policy(model, obs)` -> (actions, extras), `value_fn(model, obs)` -> values (or None):
     module-level functions. `make_model()` builds the sampler's network (its parameters and
     buffers come from `publish`); `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
-    keys, `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (behaviour policy's)."""
+    keys, `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (behaviour policy's).
+    With `final_obs`, also `final_obs` [T x B, 4, 84, 84]: its first truncated.sum() rows are the
+    true last observations of the episodes cut at a time limit, in row-major order of
+    `truncated` (what the synchronous Sampler's value_fn hook sees, in its order)."""
 
     def __init__(self, make_model, policy, value_fn, env_kwargs: dict, num_steps: int,
                  seeds, model: torch.nn.Module, device: torch.device, extras=(),
                  clip_rewards: bool = True, num_buffers: int = 2, seed: int = 0,
-                 cores: list[int] | None = None, threads: int = 1, compile: bool = False):
+                 cores: list[int] | None = None, threads: int = 1, compile: bool = False,
+                 final_obs: bool = False):
         T, B = num_steps, env_kwargs["num_envs"]
         shapes = {"obs": ((T, B, 4, 84, 84), torch.uint8), "actions": ((T, B), torch.long),
                   "rewards": ((T, B), torch.float32), "terminated": ((T, B), torch.bool),
                   "truncated": ((T, B), torch.bool), "final_values": ((T, B), torch.float32),
                   **{k: ((T, B), torch.float32) for k in extras},
                   "next_obs": ((B, 4, 84, 84), torch.uint8), "next_value": ((B,), torch.float32)}
+        if final_obs:  # room for a truncation at every step of every environment
+            shapes["final_obs"] = ((T * B, 4, 84, 84), torch.uint8)
         # [num_buffers, ...] per key, in shared memory: buffer i is buffers[k][i]
         self.buffers = {k: torch.zeros((num_buffers, *s), dtype=d).share_memory_()
                         for k, (s, d) in shapes.items()}
@@ -131,6 +137,24 @@ class AsyncSampler:
             q.close()
 
 
+def pin(sampler_cores, world) -> list[int]:
+    """--sampler-cores: this rank's share (local rank r of n takes every n-th from the r-th, or
+    all of them if there are fewer than n), which it returns for its sampler process; the learner
+    (this process, and threads it starts from now on) moves to the cores no sampler has. Cores
+    this process may not use end the run in one line."""
+    allowed = os.sched_getaffinity(0)
+    if not set(sampler_cores) <= allowed:
+        dist.fail(f"--sampler-cores {list(sampler_cores)} are not all among the cores this "
+                  f"process may use: {sorted(allowed)}")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = list(sampler_cores[world.local_rank::local_ranks] or sampler_cores)
+    learner_cores = allowed - set(sampler_cores)
+    if cores and learner_cores:  # disjoint cores: sampling and learning really overlap
+        os.sched_setaffinity(0, learner_cores)
+        torch.set_num_threads(max(1, len(learner_cores) // local_ranks))
+    return cores
+
+
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     """Parameters and buffers (e.g. a DQN's exploration epsilon) as one float32 CPU vector."""
     return torch.cat([t.detach().reshape(-1).float().cpu()
@@ -176,6 +200,13 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
         net = gpu.compiled(model, compile)  # shares model's parameters, which _unflat updates
         sampler = Sampler(env_groups, T, device, extras=extras, clip_rewards=clip_rewards)
         sampler.reset(seeds)
+        finals = []  # with final_obs: the true last observations of truncated episodes
+
+        def hook(obs):  # the Sampler's value_fn, called only at time limits
+            if "final_obs" in buffers:
+                finals.append(obs.cpu())
+            return value_fn(model, obs) if value_fn else torch.zeros(len(obs), device=obs.device)
+
         have = -1
         while True:
             t0 = time.perf_counter()
@@ -197,8 +228,10 @@ def _sampler_main(parent, make_model, policy, value_fn, env_kwargs, T, seeds, de
             buf = {k: v[i] for k, v in buffers.items()}
             if device.type == "cpu":  # write straight into shared memory
                 sampler.buf = {k: buf[k] for k in sampler.buf}
-            out = {**sampler.collect(partial(policy, net), value_fn and partial(value_fn, model)),
-                   "next_obs": sampler.next_obs}
+            finals.clear()
+            out = {**sampler.collect(partial(policy, net), hook), "next_obs": sampler.next_obs}
+            if finals:  # packed in front, in the order met: row-major in (t, b)
+                buf["final_obs"][:sum(len(f) for f in finals)].copy_(torch.cat(finals))
             if value_fn is not None:
                 with torch.no_grad():
                     out["next_value"] = value_fn(model, sampler.next_obs)

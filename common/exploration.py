@@ -13,6 +13,9 @@ ranks) continues them exactly:
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+
+from common import gpu
 
 
 def epsilons(args, global_step: int, rank: int, world_size: int) -> torch.Tensor:
@@ -32,23 +35,30 @@ def epsilon_greedy(q: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     return torch.where(explore, torch.randint(num_actions, (n,), device=q.device), q.argmax(1))
 
 
-class GroupPolicy:
-    """The sampler's policy: epsilon-greedy on q_fn(obs) [n, A], one epsilon per column. The
-    alternating sampler asks for group 0, 1, 0, 1, ..., so the call count tells a batch's columns;
-    the number of groups is all columns / columns per call, so one policy serves both samplers."""
+class Explorer(nn.Module):
+    """The sampler's policy: epsilon-greedy on `net`'s Q values [n, A] (its method `q`: "forward",
+    or C51's "q_values"), one epsilon per environment column. The epsilons [num_envs] are a
+    buffer, so they travel with the parameters to an asynchronous sampler's copy
+    (common/async_sampler.py publishes both). The alternating sampler asks for group 0, 1, 0, 1,
+    ... and every rollout asks T x groups times, so a running count tells a batch's columns; the
+    number of groups is all columns / columns per call, so one policy serves both samplers."""
 
-    def __init__(self, q_fn):
-        self.q_fn, self.calls, self.eps = q_fn, 0, None
+    def __init__(self, net: nn.Module, num_envs: int, q: str = "forward", compile: bool = False):
+        super().__init__()
+        self.net, self.calls = net, 0
+        self.q_fn = gpu.compiled(getattr(net, q), compile)
+        self.register_buffer("eps", torch.ones(num_envs))
 
-    def start(self, eps: torch.Tensor) -> GroupPolicy:  # eps [num_envs], before each collect()
-        self.eps, self.calls = eps, 0
-        return self
-
-    def __call__(self, obs: torch.Tensor):
+    def forward(self, obs: torch.Tensor):
         n = len(obs)
         g = self.calls % (len(self.eps) // n)
         self.calls += 1
         return epsilon_greedy(self.q_fn(obs), self.eps[g * n:(g + 1) * n]), {}
+
+
+def act(explorer: Explorer, obs: torch.Tensor):
+    """AsyncSampler's policy function: the explorer's epsilon-greedy actions."""
+    return explorer(obs)
 
 
 def status(eps: torch.Tensor, learn_from: int, global_step: int) -> str:

@@ -406,11 +406,14 @@ LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-st
 
 @pytest.mark.slow
 def test_killed_sampler_ends_the_whole_run(tmp_path):
+    kill_a_sampler("appo_async", LONG_RUN, tmp_path)
+
+
+def kill_a_sampler(script: str, flags, tmp_path) -> None:
     """SIGKILL one rank's sampler under torchrun: the run ends, non-zero, saying what died, and
-    no process it started (ranks, samplers, trackers) is left."""
+    no process it started (ranks, samplers, trackers) and no shared-memory file is left."""
     shm_before = _shm()
-    proc, head = start_training("appo_async", *LONG_RUN, "--run-dir", str(tmp_path / "run"),
-                                nproc=2)
+    proc, head = start_training(script, *flags, "--run-dir", str(tmp_path / "run"), nproc=2)
     try:
         family = _family(proc.pid)
         samplers = [p for p, cmd in family.items() if "spawn_main" in cmd]
@@ -426,7 +429,12 @@ def test_killed_sampler_ends_the_whole_run(tmp_path):
 
 
 def test_sigint_checkpoints_and_leaves_no_process(tmp_path):
-    proc, head = start_training("appo_async", *LONG_RUN, "--run-dir", str(tmp_path / "run"))
+    interrupt_a_sampling_run("appo_async", LONG_RUN, tmp_path)
+
+
+def interrupt_a_sampling_run(script: str, flags, tmp_path) -> None:
+    """Ctrl-C a one-rank run with a sampler process: one checkpoint, exit 0, no process left."""
+    proc, head = start_training(script, *flags, "--run-dir", str(tmp_path / "run"))
     family = _family(proc.pid)
     assert any("spawn_main" in cmd for cmd in family.values())
     proc.send_signal(signal.SIGINT)  # Ctrl-C

@@ -142,7 +142,8 @@ def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
     (scaling, ["--algos", "ddpg"], "unknown configuration 'ddpg'"),
     (scaling, ["--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
     (plot, ["/no/such/runs"], "no such path"),
-    (throughput, ["ppo", "ddpg"], "unknown part 'ddpg'; choose from ppo, a2c, dqn, catdqn, appo"),
+    (throughput, ["ppo", "ddpg"],
+     "unknown part 'ddpg'; choose from ppo, a2c, dqn, dqn-async, catdqn, appo"),
     (throughput, ["ppo", "--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
     (throughput, ["dqn", "--seconds", "0"], "--seconds must be positive"),
     (throughput, ["appo", "--appo.sampler-cores", "4096"], "must be a strict subset"),
@@ -181,7 +182,8 @@ def key_paths(d: dict, prefix: tuple = ()) -> set[tuple]:
 @pytest.mark.slow
 def test_throughput_parts_write_the_committed_fields(tmp_path):
     out = tmp_path / "results"
-    proc = bench("throughput.py", "ppo", "dqn", "catdqn", "--env-id", CATCH, "--no-cuda",
+    proc = bench("throughput.py", "ppo", "dqn", "dqn-async", "catdqn", "--env-id", CATCH,
+                 "--no-cuda",
                  "--seconds", "0.2", "--e2e-seconds", "0.5", "--out", str(out),
                  "--ppo.num-envs", "2", "--ppo.num-steps", "16",
                  "--dqn.replay-size", "1024", "--dqn.num-envs", "2", "--dqn.batch-size", "32",
@@ -220,6 +222,13 @@ def test_throughput_parts_write_the_committed_fields(tmp_path):
     assert res["learner"]["batch_size"] == 32 and res["raw_env"]["steps_per_s"] > 0
     dqn = json.loads((out / f"throughput-dqn-{host}-cpu.json").read_text())
     assert dqn["sample_prioritized"]["batches"] == 2 and dqn["replay_transitions"] > 0
+    e = dqn["dqn_async_e2e"]  # --async-sampling, sampler pinned to core 0
+    assert e["returncode"] == 0 and "error" not in e and e["steady_sps"] > 0, e
+    assert "--async-sampling --sampler-cores 0" in e["cmd"]
+    assert dqn["overlap"]["async_over_min"] == pytest.approx(
+        e["steady_sps"] / min(dqn["sampling_alone"]["steps_per_s"],
+                              dqn["learning_alone"]["steps_per_s"]))
+    assert "| dqn_multigpu --async-sampling end to end |" in dqn["table_markdown"]
     c51 = json.loads((out / f"throughput-cat-dqn-{host}-cpu.json").read_text())
     assert c51["projection"]["max_abs_diff_vs_per_atom"] < 1e-4  # the references agree
 

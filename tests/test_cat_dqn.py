@@ -147,6 +147,7 @@ def test_each_environment_explores_with_its_own_epsilon(c51, groups):
     """Columns 0-1 greedy (action 0 has the highest expected return here), columns 2-3 uniformly
     random, with the plain and the alternating sampler (which asks for the halves in turn)."""
     from common import envs
+    from common.exploration import Explorer
     from common.sampler import Sampler
     net = c51.C51Network(3, torch.linspace(-10.0, 10.0, 51))
     with torch.no_grad():
@@ -157,8 +158,9 @@ def test_each_environment_explores_with_its_own_epsilon(c51, groups):
                       torch.device("cpu"))
     sampler.reset(envs.env_seeds(0, 0, 4))
     torch.manual_seed(0)
-    policy = c51.GroupPolicy(net.q_values)  # epsilon-greedy on the expected returns
-    actions = sampler.collect(policy.start(torch.tensor([0.0, 0.0, 1.0, 1.0])))["actions"]
+    policy = Explorer(net, 4, "q_values")  # epsilon-greedy on the expected returns
+    policy.eps.copy_(torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    actions = sampler.collect(policy)["actions"]
     assert (actions[:, :2] == 0).all()
     assert set(actions[:, 2:].flatten().tolist()) == {0, 1, 2}
 

@@ -70,6 +70,7 @@ def test_each_environment_explores_with_its_own_epsilon(dqn, groups):
     """Columns 0-1 greedy (argmax is always action 0 here), columns 2-3 uniformly random, with
     the plain and the alternating sampler (which asks for the two halves in turn)."""
     from common import envs
+    from common.exploration import Explorer
     from common.sampler import Sampler
     net = dqn.QNetwork(3)
     with torch.no_grad():
@@ -80,8 +81,9 @@ def test_each_environment_explores_with_its_own_epsilon(dqn, groups):
                       torch.device("cpu"))
     sampler.reset(envs.env_seeds(0, 0, 4))
     torch.manual_seed(0)
-    actions = sampler.collect(dqn.GroupPolicy(net).start(torch.tensor([0.0, 0.0, 1.0, 1.0])))[
-        "actions"]
+    explorer = Explorer(net, 4)
+    explorer.eps.copy_(torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    actions = sampler.collect(explorer)["actions"]
     assert (actions[:, :2] == 0).all()
     assert set(actions[:, 2:].flatten().tolist()) == {0, 1, 2}
 

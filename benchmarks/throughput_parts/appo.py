@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.throughput_parts.measure import ROOT, fmt, random_rollout, run_e2e, table, timed
+from benchmarks.throughput_parts.measure import ROOT, fmt, random_rollout, run_e2e, \
+    scalar_series, split_problem, table, timed
 from common import envs
 
 STEM = "throughput-appo"
@@ -71,11 +72,7 @@ def appo_async():
 
 def check(a) -> str | None:
     """What is wrong with --appo.sampler-cores on this machine, if anything."""
-    allowed = os.sched_getaffinity(0)
-    if a.sampler_cores and not set(a.sampler_cores) < allowed:
-        return (f"--appo.sampler-cores {list(a.sampler_cores)} must be a strict subset of the "
-                f"usable cores {sorted(allowed)}")
-    return None
+    return split_problem("--appo.sampler-cores", a.sampler_cores)
 
 
 def sampling_alone(appo, a, device: torch.device, num_actions: int) -> dict:
@@ -126,16 +123,9 @@ def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:
 
 def appo_e2e_details(run_dir: Path) -> dict:
     """Waiting shares and policy lag over iterations 2+, from the run's TensorBoard scalars."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    series: dict[str, dict[int, float]] = {}
-    for f in run_dir.glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        for tag in ("time/sampler_wait", "time/learner_wait", "time/learn", "time/env",
-                    "time/inference", "charts/policy_lag_mean", "charts/policy_lag_max",
-                    "charts/dropped_rollouts"):
-            if tag in acc.Tags()["scalars"]:
-                series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    series = scalar_series(run_dir, (
+        "time/sampler_wait", "time/learner_wait", "time/learn", "time/env", "time/inference",
+        "charts/policy_lag_mean", "charts/policy_lag_max", "charts/dropped_rollouts"))
     steps = sorted(series.get("charts/policy_lag_mean", {}))[1:]  # drop the first iteration
     if not steps:
         return {}

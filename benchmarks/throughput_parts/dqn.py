@@ -1,4 +1,7 @@
-"""The dqn part of benchmarks/throughput.py (JSON: throughput-dqn-<host>-<device>.json).
+"""The dqn and dqn-async parts of benchmarks/throughput.py (one JSON:
+throughput-dqn-<host>-<device>.json).
+
+dqn:
 
   1. replay bytes   - bytes per transition of common/replay.py's storage at --dqn.replay-size
                       (frames and per-step fields, plus the sum tree when prioritized), from its
@@ -13,25 +16,42 @@
   4. end to end     - algos/dqn_multigpu.py with its defaults (16 envs x 4 steps, batch 512,
                       replay ratio 8) but --learning-starts 2048, so learning is on from the
                       first progress line, stopped with SIGINT after --dqn.e2e-seconds.
+dqn-async:
+  5. overlap        - --async-sampling as benchmarks/throughput_parts/appo.py measures APPO's,
+                      cores split by --dqn.sampler-cores (default core 0 for the sampler, the
+                      rest for the learner; on a GPU machine pass it empty: the GPU learns while
+                      the cores step): sampling alone (the sampler process with DQN's network,
+                      buffers handed straight back), learning alone (what the learner does per
+                      rollout: append it to a filled replay, take the updates the ratio asks
+                      for), and dqn_multigpu.py --async-sampling end to end under the split,
+                      with the same two rates measured inside that run.
 
-Target: sampling a batch takes under 10% of one update on the same device.
+Targets: sampling a batch takes under 10% of one update on the same device; --async-sampling end
+to end >= 0.9 x min(sampling alone, learning alone), where the plain mode gets about
+1 / (1/sampling + 1/learning).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from benchmarks.throughput_parts.measure import e2e_shares, fmt, load_algo, per_call, run_e2e, \
-    sync, table, timed
+from benchmarks.throughput_parts.measure import ROOT, e2e_shares, fmt, load_algo, per_call, \
+    run_e2e, scalar_series, sync, table, timed
+from common import envs
 from common.replay import Replay
 
 STEM = "throughput-dqn"
-PARTS = ("dqn",)
+PARTS = ("dqn", "dqn-async")
+E2E_REPLAY = 200_000  # the end-to-end runs' replay (the overlap's: at most --dqn.replay-size)
+E2E_FLAGS = ["--learning-starts", "2048", "--eval-interval", "0"]
 
 
 @dataclass
@@ -53,6 +73,11 @@ class Args:
     """seconds the end-to-end run trains after its first progress line"""
     e2e: bool = True
     """run dqn_multigpu.py end to end (--dqn.no-e2e skips)"""
+    sampler_cores: tuple[int, ...] = (0,)
+    """cores for the sampler process in the overlap measurement; the learner gets the others.
+    Empty: no pinning (use on a GPU machine)"""
+    replay_ratio: float = 8.0
+    """replay ratio of the overlap measurement: learning alone and its end-to-end run"""
 
 
 def fill_buffer(replay: Replay, seed: int, chunk: int = 128) -> float:
@@ -93,7 +118,15 @@ def time_learner(dqn, batch: dict, a, device: torch.device, preset: str) -> dict
 
 
 def run(res: dict, a, parts: set[str], device: torch.device, num_actions: int) -> None:
-    """Measure into res, then the sampling/update ratios and the table."""
+    """Measure the chosen parts into res, with their ratios."""
+    if "dqn" in parts:
+        measure_dqn(res, a, device)
+    if "dqn-async" in parts:
+        overlap(res, a, device, num_actions)
+
+
+def measure_dqn(res: dict, a, device: torch.device) -> None:
+    """The replay, the learners and the plain end-to-end run, and the sampling/update ratios."""
     dqn = load_algo("dqn_multigpu")
     replay = Replay(a.replay_size, a.num_envs, device, n_step=a.n_step, prioritized=True)
     res["replay_bytes_per_transition"] = {
@@ -126,24 +159,143 @@ def run(res: dict, a, parts: set[str], device: torch.device, num_actions: int) -
     if a.e2e:
         with tempfile.TemporaryDirectory(prefix="accelrl-bench-") as tmp:
             print("measuring dqn_multigpu end to end ...", flush=True)
-            res["dqn_e2e"] = run_e2e(
-                "dqn_multigpu", ["--num-envs", str(a.num_envs), "--learning-starts", "2048",
-                                 "--eval-interval", "0", "--replay-size", "200000"],
-                a, device.type == "cuda", Path(tmp) / "dqn")
+            res["dqn_e2e"] = run_e2e("dqn_multigpu", ["--num-envs", str(a.num_envs), *E2E_FLAGS,
+                                                      "--replay-size", str(E2E_REPLAY)],
+                                     a, device.type == "cuda", Path(tmp) / "dqn")
             print(f"  {fmt(res['dqn_e2e']['steady_sps'])} steps/s", flush=True)
+
+
+def sampling_alone(dqn, a, device: torch.device, num_actions: int) -> dict:
+    """Steps per second from the sampler process when nobody learns: buffers go straight back."""
+    from common.async_sampler import AsyncSampler
+    from common.exploration import Explorer, act
+    from common.replay_feed import make_explorer
+
+    torch.manual_seed(a.seed)
+    explorer = Explorer(dqn.QNetwork(num_actions), a.num_envs).to(device)
+    env_kwargs = dict(env_id=a.env_id, num_envs=a.num_envs, num_threads=len(a.sampler_cores))
+    steps = dqn.Args().num_steps
+    sampler = AsyncSampler(partial(make_explorer, partial(dqn.QNetwork, num_actions), a.num_envs,
+                                   "forward", False), act, None, env_kwargs, steps,
+                           envs.env_seeds(a.seed, 0, a.num_envs), explorer, device, seed=a.seed,
+                           cores=list(a.sampler_cores), threads=max(1, len(a.sampler_cores)),
+                           final_obs=True)
+    try:
+        sampler.release(sampler.get()[0])  # warm-up: process start, first rollout
+        t0, rollouts = time.perf_counter(), 0
+        while time.perf_counter() - t0 < a.seconds:
+            sampler.release(sampler.get()[0])
+            rollouts += 1
+        elapsed = time.perf_counter() - t0
+    finally:
+        sampler.close()
+    return {"steps_per_s": rollouts * a.num_envs * steps / elapsed, "rollouts": rollouts,
+            "seconds": elapsed}
+
+
+def learning_alone(dqn, a, device: torch.device) -> dict:
+    """Steps per second the learner consumes: each rollout of num_envs x 4 (random frames)
+    appended to a filled replay of the end-to-end run's size, then the updates the ratio asks for
+    (dqn-512: one update of 512 per 64 steps), sampled and taken on the device."""
+    dargs = dqn.Args(batch_size=a.batch_size, replay_ratio=a.replay_ratio)
+    T, B = dargs.num_steps, a.num_envs
+    replay = Replay(min(a.replay_size, E2E_REPLAY), B, device, n_step=dargs.n_step,
+                    gamma=dargs.gamma)
+    fill_buffer(replay, a.seed)
+    g = torch.Generator().manual_seed(a.seed)
+    rollout = [t.to(device) for t in (
+        torch.randint(0, 256, (T, B, 4, 84, 84), generator=g, dtype=torch.uint8),
+        torch.randint(0, 6, (T, B), generator=g), torch.randn(T, B, generator=g).sign(),
+        torch.zeros(T, B, dtype=torch.bool), torch.zeros(T, B, dtype=torch.bool),
+        torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8))]
+    torch.manual_seed(a.seed)
+    model, target = dqn.QNetwork(6).to(device), dqn.QNetwork(6).to(device)
+    optimizer = dqn.make_optimizer(model, dargs)
+    credit = [0.0]
+
+    def learn():  # as dqn_multigpu.py's loop, less the sampling
+        replay.add(*rollout, None)
+        credit[0] += dargs.replay_ratio * T * B / dargs.batch_size
+        for _ in range(int(credit[0])):
+            dqn.dqn_update(model, target, optimizer, replay.sample(dargs.batch_size, 0.4, device),
+                           dargs)
+        credit[0] -= int(credit[0])
+
+    return {**timed(learn, T * B, a.seconds, device), "replay_ratio": dargs.replay_ratio}
+
+
+def in_run_rates(run_dir: Path, steps: int) -> dict:
+    """The sampler's and the learner's busy seconds over the run's log points 2+ (no start-up),
+    from its TensorBoard scalars, and the rates they imply for its steady steps."""
+    tags = ("time/env", "time/inference", "time/learn", "time/sampler_wait", "time/learner_wait")
+    series = scalar_series(run_dir, tags)
+    points = sorted(series.get("time/learn", {}))[1:]
+    if not points or not all(t in series for t in tags):
+        return {}
+    total = {t: sum(series[t][p] for p in points) for t in tags}
+    busy = total["time/env"] + total["time/inference"]
+    return {"log_points": len(points), "sampler_busy_s": busy, "learn_s": total["time/learn"],
+            "sampler_wait_s": total["time/sampler_wait"],
+            "learner_wait_s": total["time/learner_wait"],
+            "in_run_sampling": steps / busy, "in_run_learning": steps / total["time/learn"]}
+
+
+def overlap(res: dict, a, device: torch.device, num_actions: int) -> None:
+    """--async-sampling under the split of --dqn.sampler-cores: each side alone, then end to end."""
+    dqn = load_algo("dqn_multigpu")
+    if str(ROOT / "algos") not in sys.path:  # the sampler process unpickles QNetwork by name
+        sys.path.insert(0, str(ROOT / "algos"))
+    allowed = os.sched_getaffinity(0)
+    learner_cores = sorted(allowed - set(a.sampler_cores)) if a.sampler_cores else []
+    res["split"] = {"sampler_cores": list(a.sampler_cores), "learner_cores": learner_cores}
+    print(f"split {res['split']}\nmeasuring DQN sampling alone ...", flush=True)
+    threads = torch.get_num_threads()
+    try:
+        if learner_cores:
+            os.sched_setaffinity(0, learner_cores)  # this process only hands buffers back
+        res["sampling_alone"] = sampling_alone(dqn, a, device, num_actions)
+        print(f"  {res['sampling_alone']['steps_per_s']:,.0f} steps/s\nmeasuring DQN learning "
+              "alone ...", flush=True)
+        if learner_cores:
+            torch.set_num_threads(len(learner_cores))  # as common.async_sampler.pin sets it
+        res["learning_alone"] = learning_alone(dqn, a, device)
+    finally:  # the parts measured after this one get the whole machine back
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, allowed)
+    print(f"  {res['learning_alone']['steps_per_s']:,.0f} steps/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="accelrl-bench-") as tmp:
+        print("measuring dqn_multigpu --async-sampling end to end ...", flush=True)
+        cores = ["--sampler-cores", *map(str, a.sampler_cores)] if a.sampler_cores else []
+        e = res["dqn_async_e2e"] = run_e2e(
+            "dqn_multigpu", ["--num-envs", str(a.num_envs), *E2E_FLAGS, "--replay-size",
+                             str(min(a.replay_size, E2E_REPLAY)), "--batch-size",
+                             str(a.batch_size), "--replay-ratio", str(a.replay_ratio),
+                             "--async-sampling", *cores], a, device.type == "cuda",
+            Path(tmp) / "dqn")
+        if e["steady_sps"]:
+            e["steady"] = in_run_rates(Path(tmp) / "dqn", e["steady_steps"])
+        print(f"  {fmt(e['steady_sps'])} steps/s", flush=True)
+    s, lrn = res["sampling_alone"]["steps_per_s"], res["learning_alone"]["steps_per_s"]
+    e2e, steady = e["steady_sps"], e.get("steady", {})
+    res["overlap"] = {"min_rate": min(s, lrn), "plain_bound": 1 / (1 / s + 1 / lrn),
+                      "async_over_min": e2e / min(s, lrn) if e2e else None,
+                      "async_over_in_run_min": e2e / min(steady["in_run_sampling"],
+                                                         steady["in_run_learning"])
+                      if steady else None}
 
 
 def report(res: dict, a) -> str:
     """The markdown table of res."""
     b, rows = a.batch_size, [("measurement", "value", "notes")]
-    rb = res["replay_bytes_per_transition"]
-    rows.append(("replay bytes per transition", f"{rb['uniform']:,.0f} ({rb['prioritized']:,.0f} "
-                 "prioritized)", f"full 4-frame stacks: {rb['full_stacks_for_comparison']:,}"))
-    for k in ("uniform", "prioritized"):
+    for k in ("uniform", "prioritized") if "sample_over_update" in res else ():
         rows.append((f"sample a batch of {b}, {k}, from {res['replay_transitions']:,} "
                      "transitions", f"{1e3 * res[f'sample_{k}']['seconds_per_batch']:.1f} ms",
                      f"{100 * res['sample_over_update'][k]:.1f}% of a DQN update (< 10%)"))
-    for preset in ("dqn-512", "eps-rainbow-512"):
+    if rb := res.get("replay_bytes_per_transition"):
+        rows.insert(1, ("replay bytes per transition", f"{rb['uniform']:,.0f} "
+                        f"({rb['prioritized']:,.0f} prioritized)",
+                        f"full 4-frame stacks: {rb['full_stacks_for_comparison']:,}"))
+    for preset in ("dqn-512", "eps-rainbow-512") if "learner_dqn-512" in res else ():
         r = res[f"learner_{preset}"]
         rows.append((f"learner, batch {b}, {preset} (double {r['double']}, dueling "
                      f"{r['dueling']})", f"{r['updates_per_s']:.2f} updates/s",
@@ -151,4 +303,24 @@ def report(res: dict, a) -> str:
     if e := res.get("dqn_e2e"):
         rows.append((f"dqn_multigpu end to end, {a.num_envs} envs, batch {b}, replay ratio 8",
                      f"{fmt(e['steady_sps'])} steps/s", e2e_shares(e)))
+    if o := res.get("overlap"):
+        split = (f"sampler on cores {res['split']['sampler_cores']}, learner on "
+                 f"{res['split']['learner_cores']}" if a.sampler_cores else "no pinning")
+        e, steady = res["dqn_async_e2e"], res["dqn_async_e2e"].get("steady", {})
+        secs = e.get("steady_seconds")
+        share = lambda k: f"{100 * steady[k] / secs:.0f}%" if steady and secs else "n/a"  # noqa
+        rows += [(f"sampling alone ({a.num_envs} envs x 4, DQN network, sampler process)",
+                  f"{fmt(res['sampling_alone']['steps_per_s'])} steps/s", split),
+                 (f"learning alone (append to the replay, batch {b}, replay ratio "
+                  f"{a.replay_ratio:g})",
+                  f"{fmt(res['learning_alone']['steps_per_s'])} steps/s", split),
+                 ("dqn_multigpu --async-sampling end to end", f"{fmt(e['steady_sps'])} steps/s",
+                  f"async / min = {o['async_over_min']:.2f} (>= 0.9); plain bound 1/(1/S + 1/L)"
+                  f" = {fmt(o['plain_bound'])}" if o["async_over_min"] else "failed"),
+                 ("", "", f"sampler waited {share('sampler_wait_s')}, learner waited "
+                          f"{share('learner_wait_s')}; in the same run: sampler busy at "
+                          f"{fmt(steady.get('in_run_sampling'))} steps/s, learner at "
+                          f"{fmt(steady.get('in_run_learning'))}: async / min = "
+                          + (f"{o['async_over_in_run_min']:.2f}" if o["async_over_in_run_min"]
+                             else "n/a"))]
     return table(rows, res)

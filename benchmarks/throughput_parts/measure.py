@@ -159,6 +159,29 @@ def run_e2e(script: str, flags: list[str], a, use_cuda: bool, run_dir: Path) -> 
     return out
 
 
+def split_problem(flag: str, sampler_cores) -> str | None:
+    """What is wrong with a sampler/learner split of this machine's cores, if anything: the
+    sampler's must leave the learner at least one."""
+    allowed = os.sched_getaffinity(0)
+    if sampler_cores and not set(sampler_cores) < allowed:
+        return (f"{flag} {list(sampler_cores)} must be a strict subset of the usable cores "
+                f"{sorted(allowed)}")
+    return None
+
+
+def scalar_series(run_dir: Path, tags) -> dict[str, dict[int, float]]:
+    """A run's TensorBoard scalars: {tag: {global step: value}} for those of `tags` it logged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    series: dict[str, dict[int, float]] = {}
+    for f in run_dir.glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in tags:
+            if tag in acc.Tags()["scalars"]:
+                series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return series
+
+
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 

@@ -1,0 +1,159 @@
+"""Sampling into the DQN family's replay (dqn_multigpu.py, cat_dqn.py): each iteration one rollout
+of the rank's --num-envs environments for --num-steps steps, epsilon-greedy with one epsilon per
+environment (common/exploration.py), appended to the rank's replay with the true last
+observations of episodes cut at a time limit (a truncated transition bootstraps from its own
+last frame, not from the next episode's first).
+
+Where the environments are stepped:
+- synchronous (the default): here, by common/sampler.py, between rounds of updates. The rank
+  samples or learns, never both: for sampling rate s and learning rate l it runs at s l / (s + l).
+- --async-sampling: in a sampler process (common/async_sampler.py) that steps them with its own
+  copy of the network while the learner learns, as rlpyt's asynchronous runner does for
+  Q-learning. The learner takes a rollout, appends it to its replay (which stays in its process,
+  on its device), takes the updates the replay ratio asks for, publishes its parameters with
+  this iteration's epsilons, and only then hands the buffer back. Meanwhile the sampler fills the
+  next of --num-buffers buffers, so it is at most --num-buffers - 1 rollouts ahead: samples
+  replayed per sample generated is --replay-ratio exactly, as in the synchronous mode, and a
+  rollout acts with parameters --num-buffers - 1 rounds of updates older than the synchronous
+  mode's (DQN learns off-policy: nothing to correct). With resources of their own (disjoint
+  cores, --sampler-cores, on a CPU; on a GPU machine the GPU learns while the cores step) the
+  rank runs at about min(s, l).
+A resumed run rebuilds the sampler from the checkpoint's step, as the synchronous mode rebuilds
+its environments: games in progress start afresh, and rollouts sampled but not yet in the replay
+when the run stopped are not counted, so the step count is exact either way.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import numpy as np
+import torch
+
+from common import dist, envs, evaluation
+from common.async_sampler import AsyncSampler, SamplerDied
+from common.exploration import Explorer, act, epsilons
+from common.gpu import Upload
+from common.sampler import Sampler
+
+KEYS = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")  # Replay.add's order
+
+
+def probe(args) -> tuple[int, envs.Envs | None]:
+    """(the game's number of actions, the rank's evaluation environments or None): the game is
+    checked before anything is written, and a bad one ends the run in one line."""
+    try:
+        one = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
+        num_actions = one.num_actions
+        one.close()
+        return num_actions, evaluation.make_envs(args)
+    except envs.EnvError as e:
+        dist.fail(str(e))
+
+
+def make_explorer(make_net, num_envs: int, q: str, compile: bool) -> Explorer:
+    """The sampler process's explorer (AsyncSampler's make_model, bound with partial)."""
+    return Explorer(make_net(), num_envs, q, compile)
+
+
+class ReplayFeed:
+    """`net`: the learner's Q-network; `make_net()` builds a copy for a sampler process (a
+    module-level class or partial); `q`: net's method giving Q values [n, A]; `cores`: the
+    sampler's (common.async_sampler.pin)."""
+
+    def __init__(self, args, world, net: torch.nn.Module, make_net, q: str, global_step: int,
+                 cores: list[int]):
+        device, B = world.device, args.num_envs
+        seeds = envs.env_seeds(args.seed, world.rank, B, offset=global_step)
+        env_kwargs = dict(env_id=args.env_id, num_envs=B, groups=2 if args.alternate else 1,
+                          episodic_life=args.episodic_life, sticky_actions=args.sticky_actions,
+                          fire_reset=args.fire_reset)
+        self.asynchronous, self.episodes, self.version = args.async_sampling, [], 0
+        self.rank = world.rank
+        self.explorer = Explorer(net, B, q, args.compile and not self.asynchronous).to(device)
+        # the sampler process's first rollouts act with these (a resume's, or apex's, not 1)
+        self.explorer.eps.copy_(epsilons(args, global_step, world.rank, world.world_size))
+        if self.asynchronous:
+            seed = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
+            self.sampler = AsyncSampler(
+                partial(make_explorer, make_net, B, q, args.compile), act, None,
+                {**env_kwargs, "num_threads": len(cores)}, args.num_steps, seeds, self.explorer,
+                device, clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
+                seed=int(seed[0]), cores=cores, threads=max(1, len(cores)), final_obs=True)
+            self.upload, self.held = None, None  # held: the buffer of the last rollout
+        else:
+            self.sampler = Sampler(envs.make_envs(**env_kwargs), args.num_steps, device,
+                                   clip_rewards=args.clip_rewards)
+            self.sampler.reset(seeds)
+
+    def collect(self, eps: torch.Tensor, replay, phases) -> None:
+        """One rollout of T x B steps into `replay`, with epsilons eps [B] (asynchronous: those
+        published last); its sampling times go to `phases` (common.logger.PhaseClock)."""
+        self.explorer.eps.copy_(eps)
+        if not self.asynchronous:
+            finals = []  # the truncated episodes' last observations, in the order met
+
+            def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
+                finals.append(obs)
+                return torch.zeros(len(obs), device=obs.device)
+
+            s, env0, inf0 = self.sampler, self.sampler.time_env, self.sampler.time_inference
+            rollout = {**s.collect(self.explorer, value_fn=keep_final), "next_obs": s.next_obs}
+            replay.add(*(rollout[k] for k in KEYS), torch.cat(finals) if finals else None)
+            phases.add("env", s.time_env - env0)
+            phases.add("inference", s.time_inference - inf0)
+            return
+        self._release()  # (a caller that skipped publish())
+        i, info = self._watch(self.sampler.get)
+        rollout = self.sampler.rollout(i)  # CPU tensors in shared memory
+        k = int(rollout["truncated"].sum())  # no device sync: the mask is in host memory
+        parts = {key: rollout[key] for key in KEYS}
+        if k:
+            parts["final_obs"] = rollout["final_obs"][:k]
+        if self.upload is None:
+            self.upload = Upload(replay.device)  # one pinned copy to a GPU's replay
+        parts = self.upload(parts)
+        replay.add(*(parts[key] for key in KEYS), parts.get("final_obs"))
+        self.held = i  # handed back by publish(): the sampler stays one rollout ahead
+        self.episodes += info["episodes"]
+        for phase, key in (("env", "time_env"), ("inference", "time_inference"),
+                           ("sampler_wait", "sampler_wait"), ("learner_wait", "learner_wait")):
+            phases.add(phase, info[key])  # the sampler's own, overlapping learning
+
+    def publish(self) -> None:
+        """After the updates: the sampler process's next rollouts act with the new parameters and
+        the epsilons of the last collect (synchronous: nothing to do)."""
+        if self.asynchronous:
+            self.version += 1
+            self._watch(self.sampler.publish, self.explorer, self.version)
+            self._release()
+
+    def _release(self) -> None:
+        if self.held is not None:
+            self.sampler.release(self.held)
+            self.held = None
+
+    def _watch(self, call, *args):
+        """A dead sampler process ends this rank with one line, as APPO's learner ends."""
+        try:
+            return call(*args)
+        except SamplerDied as e:
+            print(f"error: rank {self.rank}: {e}; ending the run", file=sys.stderr, flush=True)
+            self.sampler.close()
+            dist.finish(1)  # leaves the group (NCCL peers fail at once)
+            raise  # without a group finish() raises SystemExit; this line is not reached
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """Games finished since the last call: (true return, length in agent steps)."""
+        if not self.asynchronous:
+            return self.sampler.pop_episodes()
+        out, self.episodes = self.episodes, []
+        return out
+
+    def close(self) -> None:
+        if self.asynchronous:
+            self.sampler.close()
+        else:
+            for e in self.sampler.envs:
+                e.close()
