@@ -183,7 +183,8 @@ def test_c51_async_sampling_takes_the_updates_the_ratio_asks_for(tmp_path):
 
 
 LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--replay-size", "4000",
-            "--learning-starts", "64", "--batch-size", "16", "--total-timesteps", "10000000",
+            "--learning-starts", "64", "--batch-size", "16", "--replay-ratio", "1",
+            "--total-timesteps", "10000000",
             "--async-sampling", "--eval-episodes", "0")
 
 
