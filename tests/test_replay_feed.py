@@ -171,15 +171,18 @@ def test_async_sampling_learns_catch_keeps_the_replay_ratio_and_resumes(tmp_path
     assert not _shm_left(shm_before)
 
 
-def test_c51_async_sampling_takes_the_updates_the_ratio_asks_for(tmp_path):
+def test_c51_async_sampling_on_two_ranks_takes_the_updates_the_ratio_asks_for(tmp_path):
+    """Synchronous data-parallel C51 with a sampler process per rank (and the alternating
+    sampler): 2 ranks x 4 envs x 8 steps = 64 steps an iteration, 2 x 64 / (32 x 2) = 2 updates
+    an iteration from step 64, all ranks taking the same updates on averaged gradients."""
     run = tmp_path / "run"
     run_script("cat_dqn", "--env-id", TRUNCATING, "--num-envs", "4", "--num-steps", "8",
-               "--replay-size", "4000", "--learning-starts", "64", "--batch-size", "32",
+               "--replay-size", "8000", "--learning-starts", "64", "--batch-size", "32",
                "--replay-ratio", "2", "--total-timesteps", "640", "--eval-episodes", "0",
-               "--async-sampling", "--alternate", "--run-dir", str(run))
+               "--async-sampling", "--alternate", "--run-dir", str(run), nproc=2)
     s = read_summary(run)
-    assert s["global_step"] == 640 and s["updates"] == 19 * 2  # iterations 2 to 20 (step 64 on)
-    assert _scalars(run, "charts/replay_ratio")[-1][1] == pytest.approx(2.0)
+    assert s["global_step"] == 640 and s["world_size"] == 2 and s["updates"] == 10 * 2
+    assert _scalars(run, "charts/replay_ratio")[-1] == (640, pytest.approx(2.0))
 
 
 LONG_RUN = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--replay-size", "4000",
