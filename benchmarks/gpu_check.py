@@ -206,10 +206,8 @@ def summary(run_dir: Path) -> dict:
 
 def shares(s: dict) -> dict | None:
     """Phase shares of a summary.json, as run_e2e computes them for its runs."""
-    wall, phases = s.get("wall_seconds"), s.get("phase_seconds") or {}
-    if not wall:
-        return None
-    return {**{k: v / wall for k, v in phases.items()}, "other": 1 - sum(phases.values()) / wall}
+    from benchmarks.throughput_parts.measure import phase_shares
+    return phase_shares(s)
 
 
 def launch(cmd: list[str], what: str) -> str:

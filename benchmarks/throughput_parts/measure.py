@@ -153,10 +153,23 @@ def run_e2e(script: str, flags: list[str], a, use_cuda: bool, run_dir: Path) -> 
         s = json.loads(summary_path.read_text())
         out["summary"] = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps",
                                                 "phase_seconds")}
-        wall, phases = s["wall_seconds"], s.get("phase_seconds") or {}
-        out["phase_share"] = {**{k: v / wall for k, v in phases.items()},
-                              "other": 1 - sum(phases.values()) / wall}
+        out["phase_share"] = phase_shares(s)
     return out
+
+
+SAMPLER_PHASES = ("env", "inference", "sampler_wait")  # a sampler process's, when it has one
+
+
+def phase_shares(summary: dict) -> dict | None:
+    """summary.json's phase_seconds over its wall_seconds, and "other": the wall time no phase
+    took. With a sampler process (APPO, --async-sampling: it logs sampler_wait) its phases
+    overlap the learner's, so "other" is what the learner's phases leave."""
+    wall, phases = summary.get("wall_seconds"), summary.get("phase_seconds") or {}
+    if not wall:
+        return None
+    own = [v for k, v in phases.items()
+           if "sampler_wait" not in phases or k not in SAMPLER_PHASES]
+    return {**{k: v / wall for k, v in phases.items()}, "other": 1 - sum(own) / wall}
 
 
 def split_problem(flag: str, sampler_cores) -> str | None:
