@@ -292,14 +292,11 @@ def main() -> None:
     if batch_per_rank % args.num_minibatches:
         dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
                   f"by --num-minibatches {args.num_minibatches}")
-    if args.num_buffers < 2:
-        dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
-                  f"{args.num_buffers}")
     if args.imp_samp_max != 0 and args.imp_samp_max < 1:
         dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
     if args.max_policy_lag < 0:
         dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
-    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
     # ---- set-up: environments, run directory, model, central optimizer, sampler ----
     device = world.device
@@ -307,13 +304,9 @@ def main() -> None:
                       groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
                       sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
                       num_threads=len(cores))
-    try:  # check the game here, with one message; the sampler process makes its own
-        probe = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
-        eval_env = evaluation.make_envs(args)  # played by the learner, between its updates
-    except envs.EnvError as e:
-        dist.fail(str(e))
-    num_actions = probe.num_actions
-    probe.close()
+    # The game checked here, in one line (the sampler process makes its own environments); the
+    # evaluation games are played by the learner, between its updates.
+    num_actions, eval_env = evaluation.probe(args)
     run_dir, state = runs.prepare_run(args, "appo_async", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank

@@ -310,11 +310,11 @@ def main() -> None:
         dist.fail(f"need --num-atoms >= 2 and --v-min < --v-max, got {args.num_atoms} atoms on "
                   f"[{args.v_min}, {args.v_max}]")
 
-    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
-    num_actions, eval_env = replay_feed.probe(args)  # the game is checked here, in one line
+    num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
     run_dir, state = runs.prepare_run(args, "cat_dqn", world)
 

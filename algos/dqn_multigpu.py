@@ -295,11 +295,11 @@ def main() -> None:
             dist.fail("--asynchronous steps with the central Adam: Nature's centered RMSProp has "
                       "no central form here; use --optimizer adam")
 
-    cores = async_sampler.pin(args.sampler_cores, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
     # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
     device = world.device
-    num_actions, eval_env = replay_feed.probe(args)  # the game is checked here, in one line
+    num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
     run_dir, state = runs.prepare_run(args, "dqn_multigpu", world,
                                            check=partial(central_optim.refusal, args))

@@ -137,11 +137,16 @@ class AsyncSampler:
             q.close()
 
 
-def pin(sampler_cores, world) -> list[int]:
-    """--sampler-cores: this rank's share (local rank r of n takes every n-th from the r-th, or
-    all of them if there are fewer than n), which it returns for its sampler process; the learner
-    (this process, and threads it starts from now on) moves to the cores no sampler has. Cores
-    this process may not use end the run in one line."""
+def pin(args, world) -> list[int]:
+    """A script's --num-buffers checked, and its --sampler-cores dealt out: this rank's share
+    (local rank r of n takes every n-th from the r-th, or all of them if there are fewer than n),
+    returned for its sampler process; the learner (this process, and threads it starts from now
+    on) moves to the cores no sampler has. Fewer than 2 buffers, or cores this process may not
+    use, end the run in one line."""
+    if args.num_buffers < 2:
+        dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
+                  f"{args.num_buffers}")
+    sampler_cores = args.sampler_cores
     allowed = os.sched_getaffinity(0)
     if not set(sampler_cores) <= allowed:
         dist.fail(f"--sampler-cores {list(sampler_cores)} are not all among the cores this "

@@ -112,6 +112,3 @@ def check_q_learning(args) -> None:
         dist.fail("--learning-starts must be >= 0")
     if args.sampler_cores and not args.async_sampling:
         dist.fail("--sampler-cores pins the sampler process of --async-sampling: add that flag")
-    if args.num_buffers < 2:
-        dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
-                  f"{args.num_buffers}")

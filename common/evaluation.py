@@ -29,6 +29,19 @@ def make_envs(args) -> envs.Envs | None:
                           max_episode_steps=args.eval_max_steps)[0]
 
 
+def probe(args) -> tuple[int, envs.Envs | None]:
+    """(the game's number of actions, from one environment, and the rank's evaluation
+    environments, or None): a script checks its game with this before it writes anything, and a
+    bad one ends the run in one line."""
+    try:
+        one = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
+        num_actions = one.num_actions
+        one.close()
+        return num_actions, make_envs(args)
+    except envs.EnvError as e:
+        dist.fail(str(e))
+
+
 @torch.no_grad()
 def play(policy, env: envs.Envs, episodes: int, seeds: np.ndarray,
          device: torch.device) -> tuple[list[float], list[int]]:

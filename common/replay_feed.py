@@ -31,25 +31,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from common import dist, envs, evaluation
+from common import dist, envs
 from common.async_sampler import AsyncSampler, SamplerDied
 from common.exploration import Explorer, act, epsilons
 from common.gpu import Upload
 from common.sampler import Sampler
 
 KEYS = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")  # Replay.add's order
-
-
-def probe(args) -> tuple[int, envs.Envs | None]:
-    """(the game's number of actions, the rank's evaluation environments or None): the game is
-    checked before anything is written, and a bad one ends the run in one line."""
-    try:
-        one = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
-        num_actions = one.num_actions
-        one.close()
-        return num_actions, evaluation.make_envs(args)
-    except envs.EnvError as e:
-        dist.fail(str(e))
 
 
 def make_explorer(make_net, num_envs: int, q: str, compile: bool) -> Explorer:
@@ -81,7 +69,7 @@ class ReplayFeed:
                 {**env_kwargs, "num_threads": len(cores)}, args.num_steps, seeds, self.explorer,
                 device, clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
                 seed=int(seed[0]), cores=cores, threads=max(1, len(cores)), final_obs=True)
-            self.upload, self.held = None, None  # held: the buffer of the last rollout
+            self.upload, self.held = None, None  # held: the last rollout's buffer index
         else:
             self.sampler = Sampler(envs.make_envs(**env_kwargs), args.num_steps, device,
                                    clip_rewards=args.clip_rewards)
@@ -104,7 +92,6 @@ class ReplayFeed:
             phases.add("env", s.time_env - env0)
             phases.add("inference", s.time_inference - inf0)
             return
-        self._release()  # (a caller that skipped publish())
         i, info = self._watch(self.sampler.get)
         rollout = self.sampler.rollout(i)  # CPU tensors in shared memory
         k = int(rollout["truncated"].sum())  # no device sync: the mask is in host memory
@@ -127,12 +114,7 @@ class ReplayFeed:
         if self.asynchronous:
             self.version += 1
             self._watch(self.sampler.publish, self.explorer, self.version)
-            self._release()
-
-    def _release(self) -> None:
-        if self.held is not None:
             self.sampler.release(self.held)
-            self.held = None
 
     def _watch(self, call, *args):
         """A dead sampler process ends this rank with one line, as APPO's learner ends."""
@@ -141,8 +123,7 @@ class ReplayFeed:
         except SamplerDied as e:
             print(f"error: rank {self.rank}: {e}; ending the run", file=sys.stderr, flush=True)
             self.sampler.close()
-            dist.finish(1)  # leaves the group (NCCL peers fail at once)
-            raise  # without a group finish() raises SystemExit; this line is not reached
+            dist.finish(1)  # leaves the group (NCCL peers fail at once); no return
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """Games finished since the last call: (true return, length in agent steps)."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput_parts.measure import ROOT, fmt, random_rollout, run_e2e, \
-    scalar_series, split_problem, table, timed
+    drain, scalar_series, split_problem, table, timed
 from common import envs
 
 STEM = "throughput-appo"
@@ -86,18 +85,7 @@ def sampling_alone(appo, a, device: torch.device, num_actions: int) -> dict:
                            a.num_steps, envs.env_seeds(a.seed, 0, a.num_envs), agent, device,
                            extras=("logprob", "value"), seed=a.seed,
                            cores=list(a.sampler_cores), threads=max(1, len(a.sampler_cores)))
-    try:
-        sampler.release(sampler.get()[0])  # warm-up: process start, first rollout
-        t0, rollouts, waited = time.perf_counter(), 0, 0.0
-        while time.perf_counter() - t0 < a.seconds:
-            i, info = sampler.get()
-            sampler.release(i)
-            rollouts, waited = rollouts + 1, waited + info["sampler_wait"]
-        elapsed = time.perf_counter() - t0
-    finally:
-        sampler.close()
-    return {"steps_per_s": rollouts * a.num_envs * a.num_steps / elapsed,
-            "rollouts": rollouts, "seconds": elapsed, "sampler_wait_share": waited / elapsed}
+    return drain(sampler, a.num_envs * a.num_steps, a.seconds)
 
 
 def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:

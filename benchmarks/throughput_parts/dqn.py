@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.throughput_parts.measure import ROOT, e2e_shares, fmt, load_algo, per_call, \
-    run_e2e, scalar_series, sync, table, timed
-from common import envs
+    drain, run_e2e, scalar_series, sync, table, timed
+from common import envs, replay_shard
 from common.replay import Replay
 
 STEM = "throughput-dqn"
@@ -180,17 +180,7 @@ def sampling_alone(dqn, a, device: torch.device, num_actions: int) -> dict:
                            envs.env_seeds(a.seed, 0, a.num_envs), explorer, device, seed=a.seed,
                            cores=list(a.sampler_cores), threads=max(1, len(a.sampler_cores)),
                            final_obs=True)
-    try:
-        sampler.release(sampler.get()[0])  # warm-up: process start, first rollout
-        t0, rollouts = time.perf_counter(), 0
-        while time.perf_counter() - t0 < a.seconds:
-            sampler.release(sampler.get()[0])
-            rollouts += 1
-        elapsed = time.perf_counter() - t0
-    finally:
-        sampler.close()
-    return {"steps_per_s": rollouts * a.num_envs * steps / elapsed, "rollouts": rollouts,
-            "seconds": elapsed}
+    return drain(sampler, a.num_envs * steps, a.seconds)
 
 
 def learning_alone(dqn, a, device: torch.device) -> dict:
@@ -211,15 +201,13 @@ def learning_alone(dqn, a, device: torch.device) -> dict:
     torch.manual_seed(a.seed)
     model, target = dqn.QNetwork(6).to(device), dqn.QNetwork(6).to(device)
     optimizer = dqn.make_optimizer(model, dargs)
-    credit = [0.0]
+    counters = {"updates": 0, "credit": 0.0, "generated": 0}
 
     def learn():  # as dqn_multigpu.py's loop, less the sampling
         replay.add(*rollout, None)
-        credit[0] += dargs.replay_ratio * T * B / dargs.batch_size
-        for _ in range(int(credit[0])):
+        for _ in range(replay_shard.updates_due(counters, dargs, T * B, 1)):
             dqn.dqn_update(model, target, optimizer, replay.sample(dargs.batch_size, 0.4, device),
                            dargs)
-        credit[0] -= int(credit[0])
 
     return {**timed(learn, T * B, a.seconds, device), "replay_ratio": dargs.replay_ratio}
 

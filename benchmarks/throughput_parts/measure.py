@@ -182,6 +182,23 @@ def split_problem(flag: str, sampler_cores) -> str | None:
     return None
 
 
+def drain(sampler, steps_per_rollout: int, seconds: float) -> dict:
+    """An AsyncSampler's rate when nobody learns: each buffer goes straight back, timed for
+    `seconds` after one untimed rollout (process start-up); closes the sampler."""
+    try:
+        sampler.release(sampler.get()[0])
+        t0, rollouts, waited = time.perf_counter(), 0, 0.0
+        while time.perf_counter() - t0 < seconds:
+            i, info = sampler.get()
+            sampler.release(i)
+            rollouts, waited = rollouts + 1, waited + info["sampler_wait"]
+        elapsed = time.perf_counter() - t0
+    finally:
+        sampler.close()
+    return {"steps_per_s": rollouts * steps_per_rollout / elapsed, "rollouts": rollouts,
+            "seconds": elapsed, "sampler_wait_share": waited / elapsed}
+
+
 def scalar_series(run_dir: Path, tags) -> dict[str, dict[int, float]]:
     """A run's TensorBoard scalars: {tag: {global step: value}} for those of `tags` it logged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
