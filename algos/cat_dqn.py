@@ -340,6 +340,8 @@ def main() -> None:
     dist.broadcast_params(model)
     dist.broadcast_params(target)
     replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
+    # Before the sampler process exists: from now on Ctrl-C or SIGTERM stops cleanly.
+    stop = signals.StopRequest()
 
     global_batch = args.num_steps * args.num_envs * world.world_size
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
@@ -352,7 +354,6 @@ def main() -> None:
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
     phases = PhaseClock(device)  # seconds per phase between log calls
-    stop = signals.StopRequest()
 
     def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,

@@ -15,10 +15,13 @@ the learner copies it in once. Context "spawn": forking a process that already r
 ALE's threads is unsafe. Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls
 the parent's pid) and ignores SIGINT/SIGTERM (its learner decides when to stop); a waiting
 learner checks the sampler is alive and raises SamplerDied with its exit code or traceback.
+Whatever ends the learner's interpreter (an exception, sys.exit) first stops the sampler, by an
+exit hook: multiprocessing's own would SIGTERM it, which it ignores, then wait for it forever.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
@@ -82,6 +85,7 @@ class AsyncSampler:
             self.proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        atexit.register(self.close)  # after multiprocessing's hook, so it runs before it
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """New parameters for the sampler's next rollout, tagged `version`. The lock (no copy of
@@ -126,6 +130,7 @@ class AsyncSampler:
 
     def close(self) -> None:
         """Stop the sampler (within a second or two, killed if it does not stop)."""
+        atexit.unregister(self.close)
         if self.proc.is_alive():
             self.free.put(None)
             self.proc.join(timeout=3)
