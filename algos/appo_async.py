@@ -208,7 +208,8 @@ def decoupled_pg_loss(logprob: torch.Tensor, behav_logprob: torch.Tensor,
                       imp_samp_max: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoupled PPO's clipped surrogate (Hilton et al. 2021, Sec. 3), per sample
     max(-A w r, -A w clip(r, 1 - eps, 1 + eps)), r = pi / pi_prox, w = pi_prox / mu, r w = pi / mu
-    capped at imp_samp_max -> (mean, r). With pi_prox = mu it is PPO's loss, bit for bit."""
+    capped at imp_samp_max -> (mean, r). With pi_prox = mu it is PPO's loss, bit for bit, while
+    the cap does not bind (pi / mu <= imp_samp_max everywhere, or imp_samp_max 0)."""
     if imp_samp_max > 0:  # raising mu caps pi / mu; its gradient stays that of log pi
         behav_logprob = torch.maximum(behav_logprob, logprob.detach() - math.log(imp_samp_max))
     ratio = (logprob - prox_logprob).exp()

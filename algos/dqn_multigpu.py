@@ -371,7 +371,8 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, central_step, world.rank, world.world_size).to(device)
-        feed.collect(eps, replay, phases)  # --async-sampling: sampled while the last round learnt
+        # --async-sampling: sampled while the last round learnt, with the epsilons it returns
+        acted = feed.collect(eps, replay, phases)
         global_step += global_batch
         seen, central_step = central_step, (central.add_steps(global_batch // world.world_size)
                                             if central else global_step)
@@ -396,7 +397,9 @@ def main() -> None:
                     stat_count += 1
             interval = args.target_update_interval  # in global steps (Nature: in updates)
             if central_step // interval > seen // interval:  # asynchronous: each rank sees each once
-                target.load_state_dict(model.state_dict())  # the central parameters, just pulled
+                if central is not None:  # the other ranks' updates too, even with none due here
+                    central.pull()
+                target.load_state_dict(model.state_dict())
             feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
         phases.add("comm", seconds, taken_from="learn")
 
@@ -406,7 +409,7 @@ def main() -> None:
             saved_at = global_step
         if iteration % log_every and global_step < args.total_timesteps:
             continue  # not a logging iteration: keep accumulating stats and phase times
-        scalars = {"charts/epsilon": eps.mean().item(), "charts/replay_ratio":
+        scalars = {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
                    counters["updates"] * args.batch_size * world.world_size
                    / max(counters["generated"], 1)}
         if stat_count:
@@ -416,7 +419,7 @@ def main() -> None:
             with phases("eval"):
                 last_eval = logger.eval(global_step, evaluate())
         logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
-                   status=exploration_status(eps, counters["learn_from"], global_step))
+                   status=exploration_status(acted, counters["learn_from"], global_step))
         logged_at, stat_sums, stat_count = global_step, {}, 0
         if stop(device):
             if world.is_main:

@@ -62,6 +62,7 @@ class ReplayFeed:
         self.explorer = Explorer(net, B, q, args.compile and not self.asynchronous).to(device)
         # the sampler process's first rollouts act with these (a resume's, or apex's, not 1)
         self.explorer.eps.copy_(epsilons(args, global_step, world.rank, world.world_size))
+        self.acted = {0: self.explorer.eps.clone()}  # published version -> its epsilons [B]
         if self.asynchronous:
             seed = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
             self.sampler = AsyncSampler(
@@ -75,9 +76,11 @@ class ReplayFeed:
                                    clip_rewards=args.clip_rewards)
             self.sampler.reset(seeds)
 
-    def collect(self, eps: torch.Tensor, replay, phases) -> None:
-        """One rollout of T x B steps into `replay`, with epsilons eps [B] (asynchronous: those
-        published last); its sampling times go to `phases` (common.logger.PhaseClock)."""
+    def collect(self, eps: torch.Tensor, replay, phases) -> torch.Tensor:
+        """One rollout of T x B steps into `replay`, with epsilons eps [B] (asynchronous: with
+        those of the parameters it was sampled with, --num-buffers - 1 publishes older); its
+        sampling times go to `phases` (common.logger.PhaseClock). Returns the epsilons [B] the
+        rollout acted with."""
         self.explorer.eps.copy_(eps)
         if not self.asynchronous:
             finals = []  # the truncated episodes' last observations, in the order met
@@ -91,7 +94,7 @@ class ReplayFeed:
             replay.add(*(rollout[k] for k in KEYS), torch.cat(finals) if finals else None)
             phases.add("env", s.time_env - env0)
             phases.add("inference", s.time_inference - inf0)
-            return
+            return eps
         i, info = self._watch(self.sampler.get)
         rollout = self.sampler.rollout(i)  # CPU tensors in shared memory
         k = int(rollout["truncated"].sum())  # no device sync: the mask is in host memory
@@ -107,12 +110,15 @@ class ReplayFeed:
         for phase, key in (("env", "time_env"), ("inference", "time_inference"),
                            ("sampler_wait", "sampler_wait"), ("learner_wait", "learner_wait")):
             phases.add(phase, info[key])  # the sampler's own, overlapping learning
+        self.acted = {v: e for v, e in self.acted.items() if v >= info["version"]}
+        return self.acted[info["version"]]
 
     def publish(self) -> None:
         """After the updates: the sampler process's next rollouts act with the new parameters and
         the epsilons of the last collect (synchronous: nothing to do)."""
         if self.asynchronous:
             self.version += 1
+            self.acted[self.version] = self.explorer.eps.clone()
             self._watch(self.sampler.publish, self.explorer, self.version)
             self.sampler.release(self.held)
 

@@ -146,6 +146,32 @@ def test_both_modes_put_the_same_transitions_in_the_replay(alternate):
     assert (sync["final_idx"] >= 0).sum() == 3 * 3 * 4  # a truncation every 3rd step, each env
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_collect_returns_the_epsilons_the_rollout_acted_with(asynchronous):
+    """Action 0 is greedy; epsilons 0 and 1 alternate from one iteration to the next. What collect
+    returns (what charts/epsilon logs) is what the rollout acted with: 0 where every action is
+    0, 1 where the actions are uniform. With a sampler process that is an older iteration's."""
+    world = SimpleNamespace(rank=0, world_size=1, device=CPU)
+    phases = SimpleNamespace(add=lambda *a: None)
+    added = []
+    replay = SimpleNamespace(device=CPU, add=lambda obs, actions, *rest: added.append(actions.clone()))
+    feed = ReplayFeed(_feed_args(async_sampling=asynchronous, env_id="tests.catch_env:Catch-v0"),
+                      world, Greedy0(), Greedy0, "forward", 0, [])
+    acted = []
+    try:
+        for k in range(8):
+            acted.append(feed.collect(torch.full((4,), float(k % 2)), replay, phases).clone())
+            feed.publish()
+    finally:
+        feed.close()
+    for eps, actions in zip(acted, added):
+        assert eps.unique().tolist() in ([0.0], [1.0])
+        assert (actions != 0).any() == (eps[0] == 1.0), (eps, actions)
+    this_iteration = [k % 2 == int(eps[0]) for k, eps in enumerate(acted)]
+    # asynchronous: the first rollouts act with the initial epsilons (0 here), later ones lag
+    assert all(this_iteration) != asynchronous, acted
+
+
 @pytest.mark.slow
 def test_async_sampling_learns_catch_keeps_the_replay_ratio_and_resumes(tmp_path):
     """dqn_multigpu.py --async-sampling on one rank with the synchronous Catch test's flags, for
