@@ -262,12 +262,9 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
 
 
 def main() -> None:
-    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
+    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
+    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
     batch_per_rank = args.num_envs * args.num_steps
-    if args.learning_rate <= 0:
-        dist.fail(f"--learning-rate must be positive, got {args.learning_rate}")
-    if not 0.0 <= args.gae_lambda <= 1.0:
-        dist.fail(f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
     if args.asynchronous:
         central_optim.check(args, world)
     if args.asynchronous and args.lr_scaling != "none":

@@ -284,19 +284,15 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
 
 
 def main() -> None:
-    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
+    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
+    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
     batch_per_rank = args.num_envs * args.num_steps
     central_optim.check(args, world, instead="use ppo_multigpu.py")
-    for name in ("num_minibatches", "update_epochs"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if batch_per_rank % args.num_minibatches:
         dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
                   f"by --num-minibatches {args.num_minibatches}")
     if args.imp_samp_max != 0 and args.imp_samp_max < 1:
         dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
-    if args.max_policy_lag < 0:
-        dist.fail(f"--max-policy-lag must be >= 0, got {args.max_policy_lag}")
     cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
     # ---- set-up: environments, run directory, model, central optimizer, sampler ----

@@ -306,9 +306,8 @@ def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
 def main() -> None:
     args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
     cli.check_q_learning(args)
-    if args.num_atoms < 2 or not args.v_min < args.v_max:
-        dist.fail(f"need --num-atoms >= 2 and --v-min < --v-max, got {args.num_atoms} atoms on "
-                  f"[{args.v_min}, {args.v_max}]")
+    if not args.v_min < args.v_max:
+        dist.fail(f"--v-min must be below --v-max, got [{args.v_min}, {args.v_max}]")
 
     cores = async_sampler.pin(args, world)  # the learner takes the other cores
 

@@ -214,11 +214,9 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
 
 
 def main() -> None:
-    args, world = cli.parse_args(Args)  # joins the process group; on resume, the run's flags
+    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
+    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
     batch_per_rank = args.num_envs * args.num_steps
-    for name in ("num_minibatches", "update_epochs"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if batch_per_rank % args.num_minibatches:
         dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
                   f"by --num-minibatches {args.num_minibatches}")

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.flag_ranges import out_of_range  # noqa: E402
 
 
 class UserError(ValueError):
@@ -22,6 +26,14 @@ class UserError(ValueError):
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def checked(args):
+    """`args` (a parsed Args) if every numeric flag is in its range (common/flag_ranges.py), else
+    fail with the one line naming the first that is not."""
+    if problem := out_of_range(args):
+        fail(problem)
+    return args
 
 
 def _interrupt(signum, frame):

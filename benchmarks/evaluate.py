@@ -67,6 +67,7 @@ from benchmarks import atari_scores, outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
 from benchmarks.throughput_parts.measure import load_algo  # noqa: E402
 from common import checkpoint, envs, evaluation, runs  # noqa: E402
+from common.flag_ranges import out_of_range  # noqa: E402
 from common.exploration import epsilon_greedy  # noqa: E402
 
 # What each script's network is: a policy-gradient Agent, a Q network, or C51's atom network.
@@ -290,12 +291,8 @@ def table(returns: list[float], lengths: list[int], hns: float | None) -> str:
 
 
 def check_flags(args: Args) -> None:
-    if args.episodes <= 0:
-        raise UserError(f"--episodes must be positive, got {args.episodes}")
-    if args.envs is not None and args.envs <= 0:
-        raise UserError(f"--envs must be positive, got {args.envs}")
-    if args.epsilon is not None and not 0.0 <= args.epsilon <= 1.0:
-        raise UserError(f"--epsilon must be in [0, 1], got {args.epsilon}")
+    if problem := out_of_range(args):
+        raise UserError(problem)
     if args.video is not None:
         video = Path(args.video)
         if video.suffix.lower() != ".mp4":

@@ -52,7 +52,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, registry  # noqa: E402
-from benchmarks.errors import fail, stop_on_sigterm  # noqa: E402
+from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
 from benchmarks.scaling import stop_ranks  # noqa: E402
 
 PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
@@ -218,7 +218,7 @@ def plan(args: Args) -> tuple[Experiment, list[Run], list[str]]:
 
 def main() -> None:
     stop_on_sigterm()
-    args = tyro.cli(Args)
+    args = checked(tyro.cli(Args))
     exp, runs, notes = plan(args)
     todo = [r for r in runs if not r.finished(args.total_timesteps or exp.total_timesteps)]
     if args.print_commands:

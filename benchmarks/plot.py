@@ -56,6 +56,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, outputs, registry  # noqa: E402
+from benchmarks.errors import checked  # noqa: E402
 
 
 @dataclass
@@ -365,7 +366,7 @@ def output_dir(args: Args) -> Path:
 
 
 def main() -> None:
-    args = tyro.cli(Args)
+    args = checked(tyro.cli(Args))
     paths = [Path(p) for p in args.paths]
     if missing := [str(p) for p in paths if not p.exists()]:
         print(f"error: no such path: {', '.join(missing)}", file=sys.stderr)

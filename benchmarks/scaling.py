@@ -49,7 +49,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs, registry  # noqa: E402
-from benchmarks.errors import fail, stop_on_sigterm  # noqa: E402
+from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
 
 PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-interval progress line
 STEPS_50M = 50_000_000
@@ -328,13 +328,11 @@ def output_prefix(args: Args, use_cuda: bool) -> Path:
 
 def main() -> None:
     stop_on_sigterm()  # a SIGTERM stops the current run cleanly, as Ctrl-C does
-    args = tyro.cli(Args)
+    args = checked(tyro.cli(Args))
     if error := registry.check_names(args.algos):
         fail(error)
-    if not args.ranks or any(r < 1 for r in args.ranks):
-        fail(f"--ranks must be positive integers, got {' '.join(map(str, args.ranks))}")
-    if args.warmup < 0 or args.seconds <= 0:
-        fail("--warmup must be >= 0 and --seconds > 0")
+    if not args.ranks:
+        fail("--ranks needs at least one number of ranks")
     from common import envs
 
     try:

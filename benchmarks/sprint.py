@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
+from common.flag_ranges import out_of_range  # noqa: E402
 
 PPO = ROOT / "algos" / "ppo_multigpu.py"
 MINIBATCH = 256  # samples per minibatch (PPO paper: 4 x 256 from 8 actors x 128 steps)
@@ -144,16 +145,10 @@ def out_folder(args: Args, device: str) -> Path:
 def check(args: Args) -> int:
     """The cores to size for, after refusing input no run could use."""
     cores = args.cores if args.cores is not None else len(os.sched_getaffinity(0))
-    if not args.minutes > 0:
-        raise UserError(f"--minutes must be > 0, got {args.minutes:g}")
-    if cores < 1 or args.envs_per_core < 1:
-        raise UserError(f"--cores and --envs-per-core must be >= 1, got {cores} and "
-                         f"{args.envs_per_core}")
+    if problem := out_of_range(args):
+        raise UserError(problem)
     if not args.targets:
         raise UserError("--targets needs at least one score")
-    if args.window < 1 or args.eval_episodes < 0:
-        raise UserError(f"--window must be >= 1 and --eval-episodes >= 0, got {args.window} "
-                         f"and {args.eval_episodes}")
     try:
         shlex.split(args.extra)
     except ValueError as e:

@@ -56,6 +56,7 @@ from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
 from benchmarks.throughput_parts import ppo as ppo_part  # noqa: E402
 from benchmarks.throughput_parts.measure import hardware  # noqa: E402  # sets OMP_WAIT_POLICY
 from benchmarks.throughput_parts.measure import split_problem  # noqa: E402
+from common.flag_ranges import out_of_range  # noqa: E402
 import torch  # noqa: E402
 from common import envs  # noqa: E402
 
@@ -122,9 +123,8 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     names = list(dict.fromkeys(names)) or list(PARTS)
     if bad := [n for n in names if n not in PARTS]:
         raise UserError(f"unknown part {bad[0]!r}; choose from {', '.join(PARTS)}")
-    for flag, value in (("--seconds", args.seconds), ("--e2e-seconds", args.e2e_seconds)):
-        if value is not None and value <= 0:
-            raise UserError(f"{flag} must be positive, got {value:g}")
+    if problem := out_of_range(args):
+        raise UserError(problem)
     chosen = {key: settings(args, key) for key in FAMILIES if key in {PARTS[n] for n in names}}
     if "appo" in chosen and (problem := appo_part.check(chosen["appo"])):
         raise UserError(problem)

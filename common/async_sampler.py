@@ -143,14 +143,10 @@ class AsyncSampler:
 
 
 def pin(args, world) -> list[int]:
-    """A script's --num-buffers checked, and its --sampler-cores dealt out: this rank's share
-    (local rank r of n takes every n-th from the r-th, or all of them if there are fewer than n),
-    returned for its sampler process; the learner (this process, and threads it starts from now
-    on) moves to the cores no sampler has. Fewer than 2 buffers, or cores this process may not
-    use, end the run in one line."""
-    if args.num_buffers < 2:
-        dist.fail(f"--num-buffers must be at least 2 (one filling, one training), got "
-                  f"{args.num_buffers}")
+    """A script's --sampler-cores dealt out: this rank's share (local rank r of n takes every
+    n-th from the r-th, or all of them if there are fewer than n), returned for its sampler
+    process; the learner (this process, and threads it starts from now on) moves to the cores no
+    sampler has. Cores this process may not use end the run in one line."""
     sampler_cores = args.sampler_cores
     allowed = os.sched_getaffinity(0)
     if not set(sampler_cores) <= allowed:

@@ -204,9 +204,7 @@ def remove_stale(folder: Path = FOLDER) -> None:
 
 
 def check(args, world, instead: str = "drop --asynchronous") -> None:
-    """The asynchronous modes' refusals, each one line: positive --num-chunks, one machine."""
-    if args.num_chunks <= 0:
-        dist.fail(f"--num-chunks must be positive, got {args.num_chunks}")
+    """The asynchronous modes' refusal, in one line: ranks on more than one machine."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size)) != world.world_size:
         dist.fail("the asynchronous mode runs on one machine (the central parameters live in its "
                   f"shared memory); for several machines {instead}")

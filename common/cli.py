@@ -13,15 +13,18 @@ from pathlib import Path
 import tyro
 
 from common import checkpoint, dist, envs, runs
+from common.flag_ranges import POSITIVE, out_of_range  # noqa: F401  # POSITIVE: scripts' own ranges
 
 
-def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None):
+def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | None = None,
+               ranges: dict[str, str] | None = None):
     """Parse `cls` (a dataclass) with tyro, join the process group and check the shared flags;
     returns (args, world). Rank 0 chooses the run (`runs.locate`) and sends every rank the
     saved flags (args.json) of a run it continues: they become the defaults, which the command
     line overrides, so `--resume RUN_DIR` alone continues the run as it was launched. On return
     `args.run_dir` is the run directory and `args.resume` the checkpoint file to load (or None).
-    `presets`: the values each `--preset` name stands for (the DQN family's configurations)."""
+    `presets`: the values each `--preset` name stands for (the DQN family's configurations);
+    `ranges`: the script's own allowed values where they differ from common.flag_ranges's."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if presets:
         argv = _with_preset(cls, argv, presets)
@@ -57,17 +60,8 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
               "cores (each rank also runs emulator threads); use --nproc_per_node <= cores",
               file=sys.stderr, flush=True)
 
-    for name in ("total_timesteps", "num_envs", "num_steps"):
-        if getattr(args, name, 1) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("checkpoint_interval", "keep_checkpoints"):
-        if getattr(args, name) < 0:
-            dist.fail(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("collective_timeout", "eval_envs", "eval_max_steps"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.eval_interval < 0 or args.eval_episodes < 0:
-        dist.fail("--eval-interval and --eval-episodes must be >= 0 (0 turns them off)")
+    if problem := out_of_range(args, ranges):
+        dist.fail(problem)
     if getattr(args, "alternate", False) and args.num_envs % 2:
         dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
                   f"got {args.num_envs}")
@@ -99,16 +93,7 @@ def _with_preset(cls, argv: list[str], presets: dict[str, dict]) -> list[str]:
 
 
 def check_q_learning(args) -> None:
-    """The DQN family's own flags (dqn_multigpu.py, cat_dqn.py), refused with one line."""
-    for name in ("batch_size", "replay_size", "n_step", "target_update_interval"):
-        if getattr(args, name) <= 0:
-            dist.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.replay_ratio <= 0 or args.learning_rate <= 0:
-        dist.fail("--replay-ratio and --learning-rate must be positive")
-    for name in ("gamma", "eps_start", "eps_end", "eval_epsilon", "priority_beta"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            dist.fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if args.learning_starts < 0:
-        dist.fail("--learning-starts must be >= 0")
+    """The DQN family's own flag combinations (dqn_multigpu.py, cat_dqn.py), refused with one
+    line (their ranges: out_of_range)."""
     if args.sampler_cores and not args.async_sampling:
         dist.fail("--sampler-cores pins the sampler process of --async-sampling: add that flag")

@@ -446,7 +446,7 @@ def interrupt_a_sampling_run(script: str, flags, tmp_path) -> None:
 
 def test_bad_inputs_give_one_clear_line(tmp_path):
     run = str(tmp_path / "new")
-    assert "--num-buffers must be at least 2" in expect_error(
+    assert "--num-buffers must be >= 2, got 1" in expect_error(
         "appo_async", "--num-buffers", "1", "--run-dir", run)
     assert "--num-chunks must be positive" in expect_error(
         "appo_async", "--num-chunks", "0", "--run-dir", run)

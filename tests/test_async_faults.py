@@ -74,8 +74,8 @@ def test_files_of_a_creator_that_was_killed_are_removed_by_the_next(tmp_path):
 
 def test_every_asynchronous_mode_refuses_a_second_machine(monkeypatch, capsys):
     """The central state lives in one machine's shared memory: a launch whose ranks are not all
-    on this machine (LOCAL_WORLD_SIZE below WORLD_SIZE) is refused with one line, as is
-    --num-chunks 0, by the one check that A3C, APPO and asynchronous DQN call."""
+    on this machine (LOCAL_WORLD_SIZE below WORLD_SIZE) is refused with one line, by the one
+    check that A3C, APPO and asynchronous DQN call."""
     from types import SimpleNamespace
     for script in ("a2c_multigpu", "appo_async", "dqn_multigpu"):
         assert "central_optim.check(args, world" in (ROOT / "algos" / f"{script}.py").read_text()
@@ -88,9 +88,6 @@ def test_every_asynchronous_mode_refuses_a_second_machine(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, err
         assert "runs on one machine" in err and err.strip().endswith(instead)
-    with pytest.raises(SystemExit):
-        central_optim.check(SimpleNamespace(num_chunks=0), SimpleNamespace(world_size=8))
-    assert "--num-chunks must be positive, got 0" in capsys.readouterr().err
 
 
 def test_a_dead_peer_ends_the_rank_with_one_line_naming_it(tmp_path):

@@ -137,7 +137,7 @@ def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
     (experiments, ["smoke-x"], "unknown experiment 'smoke-x'"),
     (experiments, ["smoke", "--games", "Pongg"], "unknown Atari game 'Pongg-v5'"),
     (experiments, ["smoke", "--only", "dqn-9"], "smoke has no configuration 'dqn-9'"),
-    (scaling, ["--ranks", "0"], "--ranks must be positive integers"),
+    (scaling, ["--ranks", "0"], "--ranks must be positive, got 0"),
     (scaling, ["--ranks", "4096", "--no-cuda"], "no rank count fits this machine"),
     (scaling, ["--algos", "ddpg"], "unknown configuration 'ddpg'"),
     (scaling, ["--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),

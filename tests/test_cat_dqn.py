@@ -300,7 +300,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
 
 def test_bad_inputs_give_one_clear_line(tmp_path):
     run = str(tmp_path / "new")
-    assert "need --num-atoms >= 2 and --v-min < --v-max, got 51 atoms on [5.0, -5.0]" in \
+    assert "--v-min must be below --v-max, got [5.0, -5.0]" in \
         expect_error("cat_dqn", "--v-min", "5", "--v-max", "-5", "--run-dir", run)
     assert "--preset does not apply to --resume RUN" in expect_error(
         "cat_dqn", "--resume", str(tmp_path / "old"), "--preset", "c51-nature")

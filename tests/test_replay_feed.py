@@ -230,7 +230,7 @@ def test_sigint_checkpoints_and_leaves_no_process(tmp_path):
 def test_bad_inputs_give_one_clear_line(tmp_path):
     run = str(tmp_path / "new")
     for script in ("dqn_multigpu", "cat_dqn"):
-        assert "--num-buffers must be at least 2" in expect_error(
+        assert "--num-buffers must be >= 2, got 1" in expect_error(
             script, "--async-sampling", "--num-buffers", "1", "--run-dir", run)
         assert "--sampler-cores pins the sampler process of --async-sampling" in expect_error(
             script, "--sampler-cores", "0", "--run-dir", run)

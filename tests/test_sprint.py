@@ -86,10 +86,10 @@ def test_sprint_on_catch_reports_times_and_writes_png_and_csv(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--minutes", "0"), "--minutes must be > 0"),
+    (("--minutes", "0"), "--minutes must be positive, got 0.0"),
     (("--targets",), "--targets needs at least one score"),
     (("--window", "0"), "--window must be >= 1"),
-    (("--cores", "0"), "--cores and --envs-per-core must be >= 1"),
+    (("--cores", "0"), "--cores must be >= 1, got 0"),
     (("--extra", "'unclosed"), "--extra is not a valid flag string"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, message, tmp_path):
