@@ -90,7 +90,10 @@ class Args:
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means only at the end"""
+    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
+    checkpoint_minutes: float = 10.0
+    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
+    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -294,7 +297,7 @@ def main() -> None:
         {} if args.asynchronous else {"optimizer": optimizer}))
     dist.broadcast_params(agent)
     # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest()
+    stop = signals.StopRequest(args)
     central = None
     if args.asynchronous:  # A3C: rank 0 writes the central state, the others attach to it
         rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
@@ -378,12 +381,12 @@ def main() -> None:
                     "charts/learning_rate": lr},
                    sampler.pop_episodes(), phases.pop())
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stop(device):
-            if world.is_main:
-                print(f"\nstopped by signal at step {global_step:,}; continue with "
-                      f"--resume {run_dir}", flush=True)
+        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             stopped = True
             break
+        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
+            save()
+            saved_at = global_step
 
     if saved_at != global_step:
         path = save()

@@ -74,7 +74,10 @@ class Args:
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means only at the end"""
+    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
+    checkpoint_minutes: float = 10.0
+    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
+    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -313,7 +316,7 @@ def main() -> None:
     global_step = checkpoint.restore(state, world, model=agent)  # or 0
 
     # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest()
+    stop = signals.StopRequest(args)
     # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
     central = central_optim.shared(partial(CentralOptimizer, agent.parameters(), args.num_chunks,
                                           eps=1e-5), world, state and state["optimizer"])
@@ -412,12 +415,12 @@ def main() -> None:
             if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
                 save()
                 saved_at = global_step
-            if stop(device):
-                if world.is_main:
-                    print(f"\nstopped by signal at step {global_step:,}; continue with "
-                          f"--resume {run_dir}", flush=True)
+            if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
                 stopped = True
                 break
+            if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
+                save()
+                saved_at = global_step
     except SamplerDied as e:
         print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
         central.close()

@@ -93,7 +93,10 @@ class Args:
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means only at the end"""
+    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
+    checkpoint_minutes: float = 10.0
+    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
+    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -340,7 +343,7 @@ def main() -> None:
     dist.broadcast_params(target)
     replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
     # Before the sampler process exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest()
+    stop = signals.StopRequest(args)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
     # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
@@ -418,14 +421,15 @@ def main() -> None:
             with phases("eval"):
                 last_eval = logger.eval(global_step, evaluate())
         logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
-                   status=exploration_status(acted, counters["learn_from"], global_step))
+                   status=exploration_status(acted, counters["learn_from"], global_step),
+                   warmup_until=counters["learn_from"])
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stop(device):
-            if world.is_main:
-                print(f"\nstopped by signal at step {global_step:,}; continue with "
-                      f"--resume {run_dir}", flush=True)
+        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             stopped = True
             break
+        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
+            save()
+            saved_at = global_step
 
     if saved_at != global_step:
         path = save()

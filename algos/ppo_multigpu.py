@@ -59,7 +59,10 @@ class Args:
     alternate: bool = False
     """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
     checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means only at the end"""
+    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
+    checkpoint_minutes: float = 10.0
+    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
+    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -247,7 +250,7 @@ def main() -> None:
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     logger = Logger(run_dir, world, args, state, global_batch)
     phases = PhaseClock(device, sampler)  # seconds per phase between log calls
-    stop = signals.StopRequest()
+    stop = signals.StopRequest(args)
 
     def save():
         return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
@@ -302,12 +305,12 @@ def main() -> None:
         if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()
             saved_at = global_step
-        if stop(device):
-            if world.is_main:
-                print(f"\nstopped by signal at step {global_step:,}; continue with "
-                      f"--resume {run_dir}", flush=True)
+        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             stopped = True
             break
+        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
+            save()
+            saved_at = global_step
 
     if saved_at != global_step:
         path = save()

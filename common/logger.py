@@ -106,9 +106,11 @@ class Logger:
         return {"episodes": self.episodes, "returns": list(self.returns), "restarts": self.restarts}
 
     def log(self, global_step: int, scalars: dict[str, float], episodes: list[tuple[float, int]],
-            phases: dict[str, float], status: str = "") -> None:
+            phases: dict[str, float], status: str = "", warmup_until: int = 0) -> None:
         """Called by every rank together. `phases`: seconds per phase since the last call;
-        `status`: a note for the progress line (the DQN family's epsilon)."""
+        `status`: a note for the progress line (the DQN family's epsilon); `warmup_until`: the
+        step where learning starts (the DQN family's), before which steps cost a fraction of
+        what they will and the progress line gives no ETA."""
         all_episodes = [ep for eps in dist.all_gather(episodes) for ep in eps]
         if not self.world.is_main:
             return
@@ -126,7 +128,7 @@ class Logger:
             w.add_scalar(f"time/{k}", v, global_step)
             self.phase_total[k] = self.phase_total.get(k, 0.0) + v
         self.last_step, self.last_time = global_step, now
-        self._progress(global_step, sps, status)
+        self._progress(global_step, sps, status, warmup_until)
 
     def eval(self, global_step: int, result: dict) -> dict:
         """Record an evaluation (common/evaluation.py) at `global_step`; return it with its step."""
@@ -140,13 +142,14 @@ class Logger:
                   f"{result['mean_return']:.2f} over {result['episodes']} games", flush=True)
         return result
 
-    def _progress(self, step: int, sps: float, status: str = "") -> None:
+    def _progress(self, step: int, sps: float, status: str = "", warmup_until: int = 0) -> None:
         total = self.args.total_timesteps
         recent = f"{sum(self.returns) / len(self.returns):8.2f}" if self.returns else "     n/a"
         left = max(0.0, (total - step) / sps) if sps > 0 else 0.0  # the last batch may overshoot
+        eta = ("after warm-up" if step < warmup_until else
+               f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}")
         line = (f"step {step:>11,}/{total:,} ({100 * step / total:5.1f}%) | SPS {sps:8,.0f} | "
-                f"return(last 100) {recent} | episodes {self.episodes:,} | "
-                f"eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+                f"return(last 100) {recent} | episodes {self.episodes:,} | eta {eta}"
                 + (f" | {status}" if status else ""))
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -81,6 +83,28 @@ def saved_args(ckpt: Path | None) -> dict:
     if f is None or not f.is_file():
         return {}
     return {k: v for k, v in json.loads(f.read_text()).items() if k not in LAUNCH_ONLY}
+
+
+def continue_command(args) -> str:
+    """The command that continues this run as it was launched: python, or torchrun with this
+    launch's shape, the script, --resume and the launch-only flags that differ from defaults."""
+    local, world = (int(os.environ.get(k, 1)) for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"))
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        launcher = ["python"]
+    elif world == local:
+        launcher = ["torchrun", "--standalone", "--nproc_per_node", str(local)]
+    else:  # run on each machine, as the launch was
+        launcher = ["torchrun", "--nnodes", str(world // local), "--nproc_per_node", str(local),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT"]
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(Path.cwd())
+    except ValueError:
+        pass
+    flags = ["--resume", str(args.run_dir)] + ([] if args.cuda else ["--no-cuda"])
+    if args.collective_timeout != 600.0:
+        flags += ["--collective-timeout", f"{args.collective_timeout:g}"]
+    return shlex.join([*launcher, str(script), *flags])
 
 
 def prepare_run(args, script: str, world: dist.World, check=None) -> tuple[Path, dict | None]:

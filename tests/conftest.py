@@ -129,8 +129,10 @@ def start_training(script: str, *args: str, nproc: int = 1):
 
 
 def assert_stopped_with_checkpoint(run_dir: Path, out: str) -> int:
-    """A signalled run said so, left exactly one complete checkpoint and a matching summary."""
+    """A signalled run said so with the command that continues it, left exactly one complete
+    checkpoint and a matching summary."""
     assert "stopped by signal" in out, out
+    assert f"--resume {run_dir}" in out.split("continue with:\n")[1].splitlines()[0], out
     ckpts = list((run_dir / "checkpoints").glob("step_*.pt"))
     assert len(ckpts) == 1 and not list((run_dir / "checkpoints").glob("*.tmp"))
     step = int(ckpts[0].stem.split("_")[1])

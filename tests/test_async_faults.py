@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def _set_up_then_lose_a_rank(rank, folder):
     world = dist.World(0, 0, 2, torch.device("cpu"))
     # As in appo_async.py: SIGTERM (what torchrun, and mp.spawn here, send the other ranks when
     # one fails) only sets a flag, so this rank reaches the failing collective and its clean-up.
-    signals.StopRequest()
+    signals.StopRequest(SimpleNamespace(checkpoint_minutes=0.0))
     make = partial(central_optim.CentralOptimizer, nn.Linear(3, 3).parameters(), 2, folder=folder)
     central_optim.shared(make, world)  # its collective fails: the rank leaves through os._exit
 
@@ -76,7 +77,6 @@ def test_every_asynchronous_mode_refuses_a_second_machine(monkeypatch, capsys):
     """The central state lives in one machine's shared memory: a launch whose ranks are not all
     on this machine (LOCAL_WORLD_SIZE below WORLD_SIZE) is refused with one line, by the one
     check that A3C, APPO and asynchronous DQN call."""
-    from types import SimpleNamespace
     for script in ("a2c_multigpu", "appo_async", "dqn_multigpu"):
         assert "central_optim.check(args, world" in (ROOT / "algos" / f"{script}.py").read_text()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -3,22 +3,27 @@
 Regression tests for the three resume bugs (schedule after a world-size change, a copied run
 writing into its original, flags read on every rank's own disk), then the faults: a killed worker
 under torchrun's restarts, a hung worker, a damaged newest checkpoint, a full disk, bounded disk,
-and the same command run twice with `--resume auto`.
+the same command run twice with `--resume auto`, the stop line's command, and a run killed
+outright that resumes from its checkpoint on the clock.
 """
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.conftest import CHILD_ENV, ROOT, load_algo, read_summary, run_script, run_two_ranks
+from common import checkpoint, runs
+from tests.conftest import (CHILD_ENV, ROOT, assert_stopped_with_checkpoint, load_algo,
+                            read_summary, run_script, run_two_ranks)
 
 CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-steps", "16")
 
@@ -317,6 +322,69 @@ def test_the_same_command_twice_with_resume_auto_continues_the_first_run(tmp_pat
     assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at}.pt'}" in out
     s = read_summary(run)
     assert s["global_step"] == 768 and s["restarts"] == 1
+
+
+def test_the_stop_line_prints_the_command_that_continues_the_run(tmp_path):
+    """The stop line gives the whole command, not a flag: run as printed (its `python` being
+    this interpreter), it continues the run to its end."""
+    run = tmp_path / "run"
+    proc = _launch([*CATCH, "--total-timesteps", "768", "--run-dir", str(run)])
+    head = _read_until(proc, lambda ln: ln.startswith("step"))
+    proc.send_signal(signal.SIGTERM)
+    out = head + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    stopped_at = assert_stopped_with_checkpoint(run, out)
+    command = out.split("continue with:\n")[1].splitlines()[0].strip()
+    assert command == f"python algos/ppo_multigpu.py --resume {run} --no-cuda", out
+    env = {**os.environ, **CHILD_ENV}
+    proc = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at}.pt'}" in proc.stdout
+    assert read_summary(run)["global_step"] == 768
+
+
+def test_a_default_run_killed_outright_resumes_from_its_checkpoint_on_the_clock(tmp_path):
+    """Checkpoints come on the wall clock by default (--checkpoint-minutes, 10; 3 s here), so a
+    run killed outright (SIGKILL: an out-of-memory kill, a lost machine) keeps its progress."""
+    run = tmp_path / "run"
+    proc = _launch([*CATCH, "--checkpoint-minutes", "0.05", "--eval-episodes", "0",
+                    "--run-dir", str(run)])
+    _read_until(proc, lambda ln: ln.startswith("step"))
+    deadline = time.time() + 120
+    while not list((run / "checkpoints").glob("step_*.pt")) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)  # the checksum and rename are atomic; give a second save no chance to matter
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    newest = checkpoint.newest_good(run)
+    assert newest is not None
+    step = checkpoint.step_of(newest)
+    out = run_script("ppo_multigpu", "--resume", str(run), "--total-timesteps",
+                     str(step + 128)).stdout
+    assert f"resumed from {newest} at step {step:,}" in out, out
+    s = read_summary(run)
+    assert s["global_step"] == step + 128 and s["restarts"] == 1
+
+
+def test_the_continue_command_has_the_launch_shape_and_launch_only_flags(monkeypatch):
+    args = SimpleNamespace(run_dir="runs/x y", cuda=False, collective_timeout=60.0)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "algos" / "dqn_multigpu.py")])
+    monkeypatch.chdir(ROOT)
+    for k in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert runs.continue_command(args) == ("python algos/dqn_multigpu.py --resume 'runs/x y' "
+                                           "--no-cuda --collective-timeout 60")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = SimpleNamespace(run_dir="runs/r", cuda=True, collective_timeout=600.0)
+    assert runs.continue_command(args) == ("torchrun --standalone --nproc_per_node 8 "
+                                           "algos/dqn_multigpu.py --resume runs/r")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert runs.continue_command(args).startswith(
+        "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+        "algos/dqn_multigpu.py --resume runs/r")
 
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path):
