@@ -362,7 +362,7 @@ def evaluate(args: Args) -> dict:
     hns = atari_scores.human_normalised(run.env_id, mean) if game else None
     policy_name = ("greedy" if args.greedy else "sampled") if kind == "pg" else "epsilon-greedy"
     print(f"{ckpt} ({script}, step {state.get('global_step', 0):,}) on {run.env_id}: "
-          f"{len(returns)} games, {policy_name}"
+          f"{len(returns)} game{'s' * (len(returns) != 1)}, {policy_name}"
           + (f" (epsilon {epsilon:g})" if epsilon is not None else "")
           + f", cap {run.eval_max_steps:,} steps, {wall:.1f} s on {device}")
     print(table(returns, lengths, hns))

@@ -255,7 +255,8 @@ def step_sprint(c) -> list[dict]:
     rows.append(row(f"{game} sprint: {r['minutes']:g} min, {r['envs']} envs",
                     r["steps_per_s_overall"], vs_ceiling=False,
                     notes=f"{r['steps']:,} steps; final evaluation "
-                    + (f"{ev['mean']:.2f} over {ev['games']} games" if "mean" in ev else "n/a")))
+                    + (f"{ev['mean']:.2f} over {ev['games']} game{'s' * (ev['games'] != 1)}"
+                     if "mean" in ev else "n/a")))
     return rows
 
 

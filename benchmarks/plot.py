@@ -22,7 +22,9 @@ linearly), from the earliest first to the earliest last point of the seeds (a cu
 its shortest seed ends), at the runs' own logging points thinned to at most --points. Wall-clock
 hours include any pause of a resumed run.
 
-Scores: a run's final score is summary.json's mean_return_last100. Human-normalised score =
+Scores: a run's final score is summary.json's mean_return_last100; each run's row names its
+folder and how it ended (finished, stopped by a signal before its --total-timesteps, or without
+a summary.json: crashed, killed or still running). Human-normalised score =
 (score - random) / (human - random) with the reference scores in benchmarks/atari_scores.py; per
 configuration and game, the mean over seeds; per configuration, the median over its games (the
 paper's summary statistic). Printed as markdown and written to <out>/scores.md; games without
@@ -32,8 +34,8 @@ Ordinary runs: one figure, <out>/runs.png (default out: runs/plots/ in the check
 benchmarks/results/), with a line per run: the training score (the running mean over --window
 games, as above) and, when a run evaluated, its evaluations' mean score (charts/eval_return), each
 against environment steps and against hours. Every plotted point goes to runs.csv and the
-per-run table (steps, games, last-100 score, last evaluation, human-normalised) to runs.md, and
-is printed. A run that has not finished a game yet has no curve to draw: it is named in a note
+per-run table (steps, games, last-100 score, last evaluation, human-normalised, how it ended) to
+runs.md, and is printed. A run that has not finished a game yet has no curve to draw: it is named in a note
 on the figure and in the table, not left out. Nothing is overwritten: when any of runs.png,
 runs.csv or runs.md exists, the three are runs-2.*, then runs-3.*, and so on.
 """
@@ -61,7 +63,8 @@ from benchmarks.errors import checked  # noqa: E402
 
 @dataclass
 class Args:
-    paths: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PATH")]
+    paths: Annotated[tuple[str, ...], tyro.conf.Positional,
+                     tyro.conf.arg(metavar="PATH", help_behavior_hint="(required: one or more)")]
     """run directories, or folders to search for them"""
     out: str | None = None
     """output folder. Folders searched: written as given (overwriting); default <first
@@ -87,6 +90,7 @@ class RunData:
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     last_step: int | None = None  # the run's last logged step, finished game or not
     started: float = 0.0  # Unix time of the run's first event, where "hours" count from
+    state: str = "finished"  # or how it ended early (run_state)
 
     @property
     def hns(self) -> float | None:
@@ -143,7 +147,20 @@ def load_run(run_dir: Path) -> RunData:
                 *(e[0] for e in evals)]) if (summary or steps or episodes or evals) else None
     return RunData(run_dir, run_args.get("env_id", "?"), config_label(run_dir),
                    int(run_args.get("seed", 0)), summary.get("mean_return_last100"), episodes,
-                   evals, last, t0)
+                   evals, last, t0, run_state(summary, run_args, last))
+
+
+def run_state(summary: dict, run_args: dict, last: int | None) -> str:
+    """"finished", or how a run ended before its --total-timesteps: a run writes summary.json
+    when it ends or is stopped by a signal, not when it crashes or is killed."""
+    total = run_args.get("total_timesteps")
+    if not summary:
+        return (f"no summary.json: crashed, killed or running (last log at step {last:,})"
+                if last is not None else "no summary.json: crashed, killed or running")
+    step = summary.get("global_step")
+    if step is not None and total is not None and step < total:
+        return f"stopped at step {step:,} of {total:,}"
+    return "finished"
 
 
 def running_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -217,13 +234,16 @@ def plot_games(rows: list[dict], out: Path, window: int) -> list[Path]:
 
 
 def score_tables(runs: list[RunData]) -> tuple[str, dict[str, float | None]]:
-    """Markdown: per run, then per configuration the median over games of the seed-mean HNS."""
-    lines = ["| configuration | game | seed | score (last 100 games) | human-normalised |",
-             "|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r.config, r.game, r.seed)):
+    """Markdown: per run (named by its folder, with how it ended), then per configuration the
+    median over games of the seed-mean HNS."""
+    lines = ["| configuration | game | seed | score (last 100 games) | human-normalised | run | "
+             "ended |", "|---|---|---|---|---|---|---|"]
+    labels = dict(zip((r.path for r in runs), run_labels(runs)))
+    for r in sorted(runs, key=lambda r: (r.config, r.game, r.seed, str(r.path))):
         score = "n/a" if r.score is None else f"{r.score:.2f}"
         lines.append(f"| {r.config} | {r.game} | {r.seed} | {score} | "
-                     + ("n/a" if r.hns is None else f"{r.hns:.3f}") + " |")
+                     + ("n/a" if r.hns is None else f"{r.hns:.3f}")
+                     + f" | {labels[r.path]} | {r.state} |")
     medians: dict[str, float | None] = {}
     lines += ["", "| configuration | games with reference scores | median human-normalised | "
               "paper |", "|---|---|---|---|"]
@@ -326,7 +346,8 @@ def run_table(runs: list[RunData], labels: list[str], window: int) -> str:
     """Markdown, one row per run; a run with no finished game says so."""
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     lines = [f"| run | game | steps | games | score (last {window} games) | human-normalised | "
-             "last evaluation (step) | its human-normalised |", "|---|---|---|---|---|---|---|---|"]
+             "last evaluation (step) | its human-normalised | ended |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r, label in zip(runs, labels):
         # the curve's last point; summary.json's last-100 mean if the events have no games
         score = statistics.fmean(e[2] for e in r.episodes[-window:]) if r.episodes else r.score
@@ -336,7 +357,8 @@ def run_table(runs: list[RunData], labels: list[str], window: int) -> str:
             + ("no finished game" if score is None else f"{score:.2f}") + " | "
             + fmt(atari_scores.human_normalised(r.game, score), ".3f") + " | "
             + ("none" if ev is None else f"{ev[2]:.2f} ({ev[0]:,})") + " | "
-            + fmt(atari_scores.human_normalised(r.game, ev[2]) if ev else None, ".3f") + " |")
+            + fmt(atari_scores.human_normalised(r.game, ev[2]) if ev else None, ".3f")
+            + f" | {r.state} |")
     return "\n".join(lines) + "\n"
 
 
@@ -368,6 +390,10 @@ def output_dir(args: Args) -> Path:
 def main() -> None:
     args = checked(tyro.cli(Args))
     paths = [Path(p) for p in args.paths]
+    if not paths:
+        print("error: give one or more run directories, or folders to search for them",
+              file=sys.stderr)
+        sys.exit(2)
     if missing := [str(p) for p in paths if not p.exists()]:
         print(f"error: no such path: {', '.join(missing)}", file=sys.stderr)
         sys.exit(2)

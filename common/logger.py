@@ -139,7 +139,8 @@ class Logger:
             self.writer.add_scalar("charts/eval_length",
                                    sum(result["lengths"]) / result["episodes"], global_step)
             print(f"{chr(10) if self.tty else ''}eval at step {global_step:,}: mean return "
-                  f"{result['mean_return']:.2f} over {result['episodes']} games", flush=True)
+                  f"{result['mean_return']:.2f} over {result['episodes']} "
+                  f"game{'s' * (result['episodes'] != 1)}", flush=True)
         return result
 
     def _progress(self, step: int, sps: float, status: str = "", warmup_until: int = 0) -> None:

@@ -133,6 +133,36 @@ def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
     assert "| B | Breakout-v5 | 1 | 59.30 | 2.000 |" in out
 
 
+def test_plot_names_each_run_and_how_it_ended(tmp_path, capsys, monkeypatch):
+    """`plot.py runs`: three runs of one script, game and seed are told apart by their folders,
+    and the two that ended early say how (stopped by a signal; no summary.json: crashed)."""
+    from torch.utils.tensorboard import SummaryWriter
+    runs = tmp_path / "runs"
+    for t, summary in ((1, {"global_step": 640, "mean_return_last100": -20.5}),
+                       (2, {"global_step": 128, "mean_return_last100": -21.0}), (3, None)):
+        d = runs / f"Pong-v5__ppo_multigpu__1__{t}"
+        d.mkdir(parents=True)
+        args = {"env_id": "Pong-v5", "seed": 1, "total_timesteps": 640}
+        (d / "args.json").write_text(json.dumps(args))
+        if summary:
+            (d / "summary.json").write_text(json.dumps({**summary, "args": args}))
+        else:  # crashed: events, no summary
+            with SummaryWriter(str(d)) as w:
+                w.add_scalar("charts/SPS", 100.0, 64)
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(runs)])
+    plot.main()
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ppo_multigpu | Pong")]
+    assert rows == [
+        "| ppo_multigpu | Pong-v5 | 1 | -20.50 | 0.006 | Pong-v5__ppo_multigpu__1__1 | finished |",
+        "| ppo_multigpu | Pong-v5 | 1 | -21.00 | -0.008 | Pong-v5__ppo_multigpu__1__2 | "
+        "stopped at step 128 of 640 |",
+        "| ppo_multigpu | Pong-v5 | 1 | n/a | n/a | Pong-v5__ppo_multigpu__1__3 | no summary.json: "
+        "crashed, killed or running (last log at step 64) |"]
+    assert "(required: one or more)" in subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot.py"), "--help"], capture_output=True,
+        text=True, env={"COLUMNS": "200"}).stdout
+
+
 @pytest.mark.parametrize("module, argv, message", [
     (experiments, ["smoke-x"], "unknown experiment 'smoke-x'"),
     (experiments, ["smoke", "--games", "Pongg"], "unknown Atari game 'Pongg-v5'"),
@@ -142,6 +172,8 @@ def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
     (scaling, ["--algos", "ddpg"], "unknown configuration 'ddpg'"),
     (scaling, ["--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),
     (plot, ["/no/such/runs"], "no such path"),
+    (plot, [], "give one or more run directories"),
+    (plot, ["runs", "--window", "0"], "--window must be >= 1, got 0"),
     (throughput, ["ppo", "ddpg"],
      "unknown part 'ddpg'; choose from ppo, a2c, dqn, dqn-async, catdqn, appo"),
     (throughput, ["ppo", "--env-id", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame-v5'"),

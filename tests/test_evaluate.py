@@ -101,6 +101,7 @@ def test_video_of_the_first_game(runs, tmp_path):
     proc = run_python(*cmd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fell out of step" not in proc.stderr  # the recording played the evaluated game
+    assert ": 1 game, sampled, cap" in proc.stdout, proc.stdout
     path = next(line[len("wrote "):] for line in proc.stdout.splitlines()
                 if line.startswith("wrote "))
     result = json.loads(open(path).read())
