@@ -54,3 +54,21 @@ def test_every_relative_link_resolves():
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
     assert sum(len(links(p)) for p in pages()) >= 5  # the pages do link somewhere
+
+
+def test_the_install_text_agrees_with_itself():
+    """README, requirements.txt and .ci/run say the same: a plain `pip install torch==2.13.0` is
+    the GPU (CUDA) build, PyTorch's CPU index gives the CPU one, and CI installs the CPU build by
+    its `+cpu` name (PyPI has none, so it cannot fall back to the CUDA build)."""
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0  " in readme and "# GPU machine (CUDA 13)" in readme
+    assert cpu in readme and "# CPU-only machine" in readme
+    head = " ".join(ln.lstrip("# ") for ln in (ROOT / "requirements.txt").read_text().splitlines()
+                    if ln.startswith("#"))
+    assert cpu in head and "on a GPU machine `pip install torch==2.13.0`" in head
+    ci = (ROOT / ".ci" / "run").read_text()
+    install = [ln for ln in ci.splitlines() if "pip install" in ln and "torch" in ln]
+    assert install == ["python -m pip install -q --retries 0 --extra-index-url "
+                       "https://download.pytorch.org/whl/cpu torch==2.13.0+cpu"]
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License") and "[LICENSE](LICENSE)" in readme
