@@ -92,8 +92,7 @@ class Args:
     checkpoint_interval: int = 0
     """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
     checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
-    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
+    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -381,8 +380,7 @@ def main() -> None:
                     "charts/learning_rate": lr},
                    sampler.pop_episodes(), phases.pop())
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
-            stopped = True
+        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             break
         if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
             save()

@@ -95,8 +95,7 @@ class Args:
     checkpoint_interval: int = 0
     """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
     checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
-    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
+    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -380,8 +379,7 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
-        # --async-sampling: sampled while the last round learnt, with the epsilons it returns
-        acted = feed.collect(eps, replay, phases)
+        acted = feed.collect(eps, replay, phases)  # --async-sampling: earlier, with older eps
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
@@ -424,8 +422,7 @@ def main() -> None:
                    status=exploration_status(acted, counters["learn_from"], global_step),
                    warmup_until=counters["learn_from"])
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
-            stopped = True
+        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             break
         if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
             save()

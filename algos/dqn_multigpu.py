@@ -3,10 +3,10 @@
 Deep Q-learning (Mnih et al. 2015, Nature) with double Q-learning (van Hasselt et al. 2016),
 dueling heads (Wang et al. 2016), prioritized replay (Schaul et al. 2016) and n-step returns, as
 run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
-1803.02811, Table 2: "DQN-512" and "eps-Rainbow-512"): one process per GPU, each
-driving many emulators with batched epsilon-greedy inference (Sec. 3.1), each with its own shard
-of a frame-deduplicated replay memory on its GPU (common/replay.py), and every update taken on
-gradients averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and targets.
+1803.02811, Table 2: "DQN-512" and "eps-Rainbow-512"): one process per GPU, each driving many
+emulators with batched epsilon-greedy inference (Sec. 3.1), each with its own shard of a
+frame-deduplicated replay memory on its GPU (common/replay.py), and every update taken on gradients
+averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and targets.
 
 Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
 its shard, then takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
@@ -33,11 +33,10 @@ Presets (--preset; flags on the command line override them):
   eps-rainbow-512  the paper's eps-Rainbow-512: double, dueling, prioritized, 3-step returns,
                    Adam lr 6.25e-5 with epsilon 0.005/512, target every 8,000 steps, learning
                    starts at 20,000 steps (Hessel et al. 2018's settings, the authors' code's eps).
-Learning rate from batch 32 to 512: not scaled. The authors' code keeps Rainbow's batch-32 rate
-(6.25e-5) at batch 512 and divides Adam's epsilon by the batch size instead (0.005/512; C51:
-0.01/batch); dqn-512 applies that rule to Nature's 2.5e-4 (Adam, epsilon 0.01/512). A 16x larger
-batch lowers the gradient's noise, not its scale (the loss is a mean), so the step needs no
-change. This is our choice: we could not find the paper's DQN-512 rate.
+Learning rate from batch 32 to 512: not scaled (our choice; the paper gives no DQN-512 rate). The
+authors' code keeps Rainbow's batch-32 rate (6.25e-5) at batch 512 and divides Adam's epsilon by
+the batch size (0.005/512; C51: 0.01/batch); dqn-512 does so with Nature's 2.5e-4 (epsilon
+0.01/512). A 16x larger batch lowers the gradient's noise, not its scale (the loss is a mean).
 
 Exploration (--eps-schedule, common/exploration.py): `linear` holds --eps-start through the
 warm-up (--learning-starts), then anneals over --eps-decay-steps global steps, as DeepMind's DQN
@@ -108,8 +107,7 @@ class Args:
     checkpoint_interval: int = 0
     """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
     checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, so a crash or a lost machine costs at most this much
-    of the run (also one at the end, and on Ctrl-C or SIGTERM); 0 turns them off"""
+    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
     resume: str | None = None
     """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
     --run-dir's newest checkpoint if it has one, else start the run there"""
@@ -283,8 +281,7 @@ def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimiz
 def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    # DeepMind's RMSProp (Nature): centered, decay 0.95, minimum squared gradient 0.01 inside the
-    # square root; its square root outside stands in for it, as in a2c_multigpu.py.
+    # DeepMind's RMSProp (Nature): centered, decay 0.95, eps sqrt(0.01) outside for 0.01 inside
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
                                eps=math.sqrt(0.01), centered=True)
 
@@ -364,7 +361,6 @@ def main() -> None:
                                    eval_env, args, world, global_step)
 
     saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
-
     stopped = False  # by a signal: no final evaluation, the job must end quickly
     stat_sums, stat_count = {}, 0
     while global_step < args.total_timesteps:
@@ -374,8 +370,7 @@ def main() -> None:
 
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, central_step, world.rank, world.world_size).to(device)
-        # --async-sampling: sampled while the last round learnt, with the epsilons it returns
-        acted = feed.collect(eps, replay, phases)
+        acted = feed.collect(eps, replay, phases)  # --async-sampling: earlier, with older eps
         global_step += global_batch
         seen, central_step = central_step, (central.add_steps(global_batch // world.world_size)
                                             if central else global_step)
@@ -425,8 +420,7 @@ def main() -> None:
                    status=exploration_status(acted, counters["learn_from"], global_step),
                    warmup_until=counters["learn_from"])
         logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stop(world, global_step):  # all ranks agree; rank 0 says how to continue
-            stopped = True
+        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
             break
         if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
             save()
