@@ -53,13 +53,13 @@ def out_of_range(args, ranges: dict[str, str] | None = None, prefix: str = "") -
                 return problem
             continue
         interval = (ranges or {}).get(f.name, RANGES.get(f.name))
-        values = value if isinstance(value, tuple) else (value,)
+        values = value if isinstance(value, (tuple, list)) else (value,)  # args.json: lists
         if interval is None or value is None or all(_within(v, interval) for v in values):
             continue
         lo, hi = interval[1:-1].split(", ")
         allowed = ("positive" if interval == POSITIVE else f">= {lo}" if hi == "inf"
                    else f"in {interval}")
-        shown = " ".join(map(str, values)) if isinstance(value, tuple) else value
+        shown = " ".join(map(str, values)) if isinstance(value, (tuple, list)) else value
         return f"{flag} must be {allowed}, got {shown}"
     return None
 

@@ -100,3 +100,12 @@ def test_a_bad_hyperparameter_ends_the_script_in_one_line_with_no_run_directory(
     assert expect_error(script, "--gamma", "2", "--run-dir", str(run)) == \
         "error: --gamma must be in [0, 1], got 2.0"
     assert not run.exists()
+
+
+def test_a_resumed_run_s_tuples_come_back_as_lists_and_are_checked_the_same():
+    """A resume takes its flags from args.json, where tuples are JSON lists."""
+    args = _instance(load_algo("dqn_multigpu").Args)
+    args.sampler_cores = [0, 1]
+    assert out_of_range(args) is None
+    args.sampler_cores = [0, -1]
+    assert out_of_range(args) == "--sampler-cores must be >= 0, got 0 -1"
