@@ -288,15 +288,15 @@ def test_proximal_policy_is_the_learners_own():
 @pytest.mark.slow
 def test_appo_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch; APPO, sampling while it learns, catches nearly
-    every ball in 10,240 steps (PPO's test: 8,192 steps to 0.8). With the decoupled loss seeds
-    1-3 gave 0.98, 0.96, 0.96 over the last 100 games; PPO's loss against the behaviour policy
-    gave 0.84 on seed 1."""
+    every ball in 14,336 steps (PPO's test: 8,192 steps to 0.8). Seeds 1-3 over the last 100
+    games: 0.96, 0.98, 1.00 on a 2-core Intel Xeon VM; at 10,240 steps 0.80, 0.94, 0.82 there
+    (0.98, 0.96, 0.96 on an AMD EPYC VM), too close to the threshold on the Intel CPU."""
     run = tmp_path / "run"
     run_script("appo_async", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
-               "--total-timesteps", "10240", "--num-steps", "32", "--num-minibatches", "8",
+               "--total-timesteps", "14336", "--num-steps", "32", "--num-minibatches", "8",
                "--learning-rate", "1e-3", "--run-dir", str(run), timeout=900)
     s = read_summary(run)
-    assert s["episodes"] > 1600
+    assert s["episodes"] > 2300
     assert s["mean_return_last100"] > 0.8
     assert 0 <= s["policy_lag_mean"] <= s["policy_lag_max"] <= 4 and s["dropped_rollouts"] == 0
 
