@@ -30,6 +30,14 @@ def compiled(fn, on: bool):
     return torch.compile(fn, mode="reduce-overhead") if on else fn
 
 
+def autocast(device: torch.device, precision: str):
+    """--precision: "bf16" runs what it encloses (a network's forward, and so its backward) in
+    bfloat16 where autocast allows, on a GPU or on a CPU with bf16 units; "fp32" changes nothing.
+    Losses, log-probabilities, targets and optimizer state stay float32: the network casts its
+    outputs back before any of them is computed."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def switches() -> dict:
     """The performance switches in force, for summary.json."""
     return {"cudnn_benchmark": torch.backends.cudnn.benchmark,
