@@ -75,7 +75,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, evaluation  # noqa: E402
+from common import central_optim, checkpoint, cli, dist, evaluation, gpu  # noqa: E402
 from common import async_sampler, replay_feed, replay_shard, runs, signals  # noqa: E402
 from common.central_optim import CentralOptimizer  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
@@ -100,6 +100,9 @@ class Args:
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
     """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
+    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -223,8 +226,9 @@ PRESETS = {  # sources in the module docstring
 class QNetwork(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015) with a Q head, or dueling value and advantage heads."""
 
-    def __init__(self, num_actions: int, dueling: bool = False):
+    def __init__(self, num_actions: int, dueling: bool = False, precision: str = "fp32"):
         super().__init__()
+        self.precision = precision  # --precision of the torso and heads; Q values are float32
         self.torso = nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
@@ -233,8 +237,9 @@ class QNetwork(nn.Module):
         if dueling:
             self.value = nn.Sequential(nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 1))
 
+    @gpu.in_precision
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """obs uint8 [N, 4, 84, 84] -> Q values [N, A]."""
+        """obs uint8 [N, 4, 84, 84] -> Q values [N, A] (float32)."""
         h = self.torso(obs.float() / 255.0)
         if not self.dueling:
             return self.head(h)
@@ -305,7 +310,7 @@ def main() -> None:
                                            check=partial(central_optim.refusal, args))
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = QNetwork(num_actions, args.dueling).to(device)
+    model = QNetwork(num_actions, args.dueling, args.precision).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -333,11 +338,10 @@ def main() -> None:
     central_step = global_step  # asynchronous: the machine's step count at this rank's last rollout
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    # Logging (an all-gather) and the stop check (an all-reduce) every log_every iterations,
-    # about 2048 steps per rank; a function of the iteration count only, so ranks agree.
+    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
-    feed = replay_feed.ReplayFeed(args, world, model, partial(QNetwork, num_actions, args.dueling),
+    feed = replay_feed.ReplayFeed(args, world, model, partial(QNetwork, num_actions, args.dueling, args.precision),
                                   "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)

@@ -55,9 +55,8 @@ class Args:
     compile: bool = False
     """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
     precision: Literal["fp32", "bf16"] = "fp32"
-    """the network's arithmetic, learning and sampling: bf16 autocast (losses, log-probabilities,
-    returns and optimizer state stay float32; docs/results.md: the learner's step 2x faster on
-    a 2-core Intel Xeon with bf16 units)"""
+    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
+    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -133,8 +132,7 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class Agent(nn.Module):
-    """Nature-DQN torso (Mnih et al. 2015) with a policy head and a value head; `precision`: the
-    forward's (--precision; its outputs are float32 either way)."""
+    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision."""
 
     def __init__(self, num_actions: int, precision: str = "fp32"):
         super().__init__()
@@ -147,12 +145,11 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
 
+    @gpu.in_precision
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
-        with gpu.autocast(obs.device, self.precision):
-            h = self.torso(obs.float() / 255.0)
-            logits, value = self.actor(h), self.critic(h).squeeze(-1)
-        return logits.float(), value.float()
+        h = self.torso(obs.float() / 255.0)
+        return self.actor(h), self.critic(h).squeeze(-1)
 
 
 def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

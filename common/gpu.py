@@ -7,6 +7,7 @@ switches on for a GPU.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -30,12 +31,18 @@ def compiled(fn, on: bool):
     return torch.compile(fn, mode="reduce-overhead") if on else fn
 
 
-def autocast(device: torch.device, precision: str):
-    """--precision: "bf16" runs what it encloses (a network's forward, and so its backward) in
-    bfloat16 where autocast allows, on a GPU or on a CPU with bf16 units; "fp32" changes nothing.
-    Losses, log-probabilities, targets and optimizer state stay float32: the network casts its
-    outputs back before any of them is computed."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+def in_precision(forward):
+    """A network's forward (decorated) under bfloat16 autocast when its `precision` attribute is
+    "bf16" (--precision; its backward follows), on a GPU or a CPU with bf16 units; "fp32" changes
+    nothing. Its tensor outputs come back float32, so the losses, log-probabilities, targets, the
+    C51 projection and the optimizer's state downstream never see bf16."""
+    @functools.wraps(forward)
+    def run(self, obs: torch.Tensor, *args, **kwargs):
+        with torch.autocast(obs.device.type, dtype=torch.bfloat16,
+                            enabled=self.precision == "bf16"):
+            out = forward(self, obs, *args, **kwargs)
+        return tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()
+    return run
 
 
 def switches() -> dict:
