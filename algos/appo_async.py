@@ -5,18 +5,18 @@ APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel
 1707.06347) with two asynchronies.
 1. Within a rank: a sampler process (common/async_sampler.py) runs the rank's environments with
    batched inference (Sec. 3.1) on its own copy of the policy and fills shared-memory rollout
-   buffers while the learner trains on the previous rollout; rollouts more than
-   --max-policy-lag versions old are dropped. A rollout's behaviour policy mu is thus a whole
-   update behind the learner, so the loss is decoupled PPO's (Hilton et al. 2021, arXiv
-   2110.00641): the clip is around the proximal policy, the learner's own as the update starts,
-   and mu enters only through the weight pi_prox / mu. Clipping against mu (PPO's loss as is)
-   cut the gradient of most samples from the first minibatch on (docs/results.md, "APPO and lag").
+   buffers while the learner trains on the previous one (older than --max-policy-lag: dropped).
+   A rollout's behaviour policy mu is thus a whole update behind the learner, so the loss is
+   decoupled PPO's (Hilton et al. 2021, arXiv 2110.00641): the clip is around the proximal
+   policy, the learner's own as the update starts, and mu enters only through the weight
+   pi_prox / mu. Clipping against mu (PPO's loss as is) cuts the gradient of most samples from
+   the first minibatch on (docs/results.md, "APPO and lag").
 2. Across ranks: central parameters and Adam state in the machine's shared memory
    (common/central_optim.py). After each minibatch gradient a rank applies Adam to the central
    copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then
    pulls the new parameters. There is no all-reduce: no rank waits for another's gradient.
-Ranks meet once per rollout, for logging, signals and checkpoints (as every accelrl script does),
-never inside an update. One machine only: for several, use ppo_multigpu.py.
+Ranks meet once per rollout (logging, signals, checkpoints), never inside an update. One machine
+only: for several, use ppo_multigpu.py.
 
 Launch:
     python algos/appo_async.py --env-id Pong-v5                           # one GPU (or the CPU)
@@ -327,7 +327,8 @@ def main() -> None:
     central.pull()
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
-    sampler = AsyncSampler(partial(Agent, num_actions, args.precision), act, value, env_kwargs, args.num_steps,
+    sampler = AsyncSampler(partial(Agent, num_actions, args.precision), act, value, env_kwargs,
+                           args.num_steps,
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,

@@ -12,12 +12,9 @@ shard of the frame-deduplicated replay (common/replay.py), every update on gradi
 over all ranks (Sec. 3.2). Options as in Rainbow (Hessel et al. 2018): --n-step returns,
 --double action choice, --dueling heads, --prioritized replay with the cross-entropy as priority.
 
-Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
-its shard and takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
-fraction (16 envs x 16 steps at batch 2048, ratio 8: one update an iteration on one rank).
-With --async-sampling each rank's environments run in a sampler process that fills the next
-rollout while the rank learns (common/replay_feed.py, as in dqn_multigpu.py); the replay stays
-in the learner and the replay ratio stays exact.
+Each iteration, as in dqn_multigpu.py, every rank steps its environments, appends them to its
+shard and takes the updates its replay ratio asks for (16 envs x 16 steps, batch 2048, ratio 8:
+one an iteration on one rank); --async-sampling steps them in a sampler process meanwhile.
 
 Presets (--preset; flags on the command line override them):
   catdqn-2k   (default) the paper's CatDQN-2K: batch 2048 per rank, Adam epsilon 0.01/2048 (the
@@ -225,7 +222,7 @@ class C51Network(nn.Module):
 
     @gpu.in_precision
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """obs uint8 [N, 4, 84, 84] -> atom logits [N, A, K] (softmax over K per action), float32."""
+        """obs uint8 [N, 4, 84, 84] -> atom logits [N, A, K] (float32; softmax over K)."""
         h = self.torso(obs.float() / 255.0)
         logits = self.head(h).view(-1, self.A, self.K)
         if not self.dueling:

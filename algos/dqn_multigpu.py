@@ -10,21 +10,19 @@ averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and tar
 
 Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
 its shard, then takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
-fraction, so the ratio of samples replayed to samples generated is exactly --replay-ratio
-whatever the batch or world size (16 envs x 4 steps at batch 512, ratio 8: one update each).
+fraction: samples replayed per sample generated is exactly --replay-ratio at any batch or world
+size (16 envs x 4 steps at batch 512, ratio 8: one update each).
 
 Asynchronous DQN (--asynchronous; paper Sec. 3.2, Table 2: DQN-512 in 3.9 hours on 4 GPUs, 3.1
-synchronous). Each rank keeps its own replay shard and its own ratio of updates to steps, and
-applies its own clipped gradient to central parameters and Adam statistics in the machine's shared
-memory (common/central_optim.py: chunks under their own locks), then pulls the central parameters;
-no rank waits for another inside an update. The global step is counted centrally, and so is the
-update count (every chunk counts the gradients it took); the target network is a copy of the
-central parameters taken each time the central step crosses --target-update-interval, and the
-exploration and importance-sampling schedules follow the central step. One machine only.
+synchronous). Each rank keeps its own replay shard and ratio of updates to steps, applies its
+own clipped gradient to central parameters and Adam statistics in shared memory
+(common/central_optim.py: chunks under their own locks), then pulls them; no rank waits for
+another inside an update. The global step and the update count are central; the target is a
+copy of the central parameters each time the central step crosses --target-update-interval, and
+the exploration and importance-sampling schedules follow the central step. One machine only.
 
-Overlapped sampling (--async-sampling, with or without --asynchronous, any number of ranks):
-each rank's environments run in a sampler process that fills the next rollout while the rank
-learns (common/replay_feed.py); the replay stays in the learner, and the replay ratio is exact.
+Overlapped sampling (--async-sampling, with --asynchronous or not, any ranks): a sampler process
+per rank fills the next rollout while the rank learns (common/replay_feed.py); ratio exact.
 
 Presets (--preset; flags on the command line override them):
   dqn-nature       Mnih et al. 2015: batch 32, centered RMSProp lr 2.5e-4, target every 10,000
@@ -341,7 +339,8 @@ def main() -> None:
     # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
-    feed = replay_feed.ReplayFeed(args, world, model, partial(QNetwork, num_actions, args.dueling, args.precision),
+    feed = replay_feed.ReplayFeed(args, world, model,
+                                  partial(QNetwork, num_actions, args.dueling, args.precision),
                                   "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)
