@@ -84,10 +84,14 @@ class Args:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
-    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
+    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
+    not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -166,11 +170,12 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class Agent(nn.Module):
-    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision."""
+    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
+    and --channels-last."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
         super().__init__()
-        self.precision = precision
+        self.precision, self.channels_last = precision, channels_last
         self.torso = nn.Sequential(
             layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -179,7 +184,7 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
 
-    @gpu.in_precision
+    @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         h = self.torso(obs.float() / 255.0)
@@ -206,27 +211,22 @@ def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamm
 
 def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
-        return torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
+        return gpu.adam(agent.parameters(), lr=lr, eps=1e-5)
     # TensorFlow-like RMSprop (module docstring): sqrt(eps) outside the root stands in for eps
     # inside it, as in baselines' TF1 optimizer.
     return torch.optim.RMSprop(agent.parameters(), lr=lr, alpha=args.rmsprop_alpha,
                                eps=math.sqrt(args.rmsprop_eps))
 
 
-def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str, torch.Tensor],
-               next_obs: torch.Tensor, args: Args, central: CentralOptimizer | None = None
-               ) -> tuple[dict[str, torch.Tensor], float]:
-    """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
+def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Tensor, args: Args
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A2C's loss on a [T, B] rollout and the next observations [B] -> (loss, statistics); one
+    graph under --compile.
 
-    A2C: the gradient is averaged over ranks before clipping and the optimizer step, so with R
-    ranks the step sees R x T x B samples and every rank stays identical. A3C (`central`): this
-    rank's own clipped gradient goes into the central optimizer, whose new parameters it pulls;
-    comm is then the wait for chunks other ranks held. Nothing here waits for the device (no
-    .item()): the stats stay tensors until the logging cadence reads them.
+    One forward pass gives the loss terms and the bootstrap value of next_obs; the parameters are
+    still those that sampled the rollout, so the values are on-policy.
     """
     T, B = rollout["rewards"].shape
-    # One forward pass gives the loss terms and the bootstrap value of next_obs [B]; the
-    # parameters are still those that sampled the rollout, so the values are on-policy.
     obs = torch.cat([rollout["obs"].flatten(0, 1), next_obs])  # [(T + 1) * B, 4, 84, 84] uint8
     logits, values = agent(obs)
     logits, values, next_value = logits[:T * B], values[:T * B], values[T * B:].detach()
@@ -250,7 +250,24 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
     v_loss = 0.5 * ((values - returns) ** 2).mean()
     entropy = pi.entropy().mean()
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    with torch.no_grad():
+        explained_var = 1 - torch.var(returns - values) / torch.var(returns).clamp(min=1e-8)
+    return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                  "entropy": entropy.detach(), "explained_variance": explained_var}
 
+
+def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str, torch.Tensor],
+               next_obs: torch.Tensor, args: Args, central: CentralOptimizer | None = None
+               ) -> tuple[dict[str, torch.Tensor], float]:
+    """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
+
+    A2C: the gradient is averaged over ranks before clipping and the optimizer step, so with R
+    ranks the step sees R x T x B samples and every rank stays identical. A3C (`central`): this
+    rank's own clipped gradient goes into the central optimizer, whose new parameters it pulls;
+    comm is then the wait for chunks other ranks held. Nothing here waits for the device (no
+    .item()): the stats stay tensors until the logging cadence reads them.
+    """
+    loss, stats = gpu.compiled(a2c_loss, args.compile)(agent, rollout, next_obs, args)
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
     comm = 0.0 if central else dist.all_reduce_grads(agent)
@@ -260,12 +277,7 @@ def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str
     else:  # chunk by chunk, whichever is free first, then the result (other ranks' steps too)
         comm = central.step(optimizer.param_groups[0]["lr"])
         central.pull()
-
-    with torch.no_grad():
-        explained_var = 1 - torch.var(returns - values) / torch.var(returns).clamp(min=1e-8)
-    return {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
-            "entropy": entropy.detach(), "explained_variance": explained_var,
-            "grad_norm": grad_norm}, comm
+    return {**stats, "grad_norm": grad_norm}, comm
 
 
 def main() -> None:
@@ -293,7 +305,7 @@ def main() -> None:
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    agent = Agent(env_groups[0].num_actions, args.precision).to(device)
+    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last).to(device)
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)

@@ -68,10 +68,14 @@ class Args:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
-    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
+    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
+    not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -166,11 +170,12 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class Agent(nn.Module):
-    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision."""
+    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
+    and --channels-last."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
         super().__init__()
-        self.precision = precision
+        self.precision, self.channels_last = precision, channels_last
         self.torso = nn.Sequential(
             layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -179,7 +184,7 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
 
-    @gpu.in_precision
+    @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         h = self.torso(obs.float() / 255.0)
@@ -225,65 +230,72 @@ def decoupled_pg_loss(logprob: torch.Tensor, behav_logprob: torch.Tensor,
                      weighted * ratio.clamp(1 - clip_coef, 1 + clip_coef)).mean(), ratio
 
 
+def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO's loss of one minibatch (obs [M, 4, 84, 84] uint8; actions, logprob,
+    prox_logprob, prox_value, advantages, returns [M]) -> (loss, statistics); one graph under
+    --compile. The value clip is around the proximal values."""
+    logits, value = agent(mb["obs"])
+    pi = Categorical(logits=logits)
+    new_logprob, behav_logprob = pi.log_prob(mb["actions"]), mb["logprob"]
+    pg_loss, ratio = decoupled_pg_loss(new_logprob, behav_logprob, mb["prox_logprob"],
+                                       mb["advantages"], args.clip_coef, args.imp_samp_max)
+    ret, old_v = mb["returns"], mb["prox_value"]
+    if args.clip_vloss:
+        v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((value - ret) ** 2).mean()
+    entropy = pi.entropy().mean()
+    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    # KL estimators from http://joschu.net/blog/kl-approx.html
+    logratio = (new_logprob - mb["prox_logprob"]).detach()  # PPO's statistics without lag
+    behav_logratio = (new_logprob - behav_logprob).detach()  # what PPO's loss as is would clip
+    ratio = ratio.detach()
+    return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                  "entropy": entropy.detach(), "old_approx_kl": (-logratio).mean(),
+                  "approx_kl": ((ratio - 1) - logratio).mean(),
+                  "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean(),
+                  "clipfrac_behaviour": ((behav_logratio.exp() - 1).abs()
+                                         > args.clip_coef).float().mean(),
+                  "imp_samp_clipfrac": (behav_logratio > math.log(
+                      args.imp_samp_max or math.inf)).float().mean()}
+
+
 def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.Tensor],
                 args: Args, lr: float) -> tuple[dict[str, float], float]:
-    """PPO's clipped-surrogate epochs over this rank's flat batch, each minibatch gradient applied
-    to the central parameters; returns (stats, seconds waiting for chunks other ranks held).
+    """PPO's epochs over this rank's flat batch, each minibatch gradient applied to the central
+    parameters; returns (stats, seconds waiting for chunks other ranks held).
 
-    ppo_multigpu.ppo_update's loss, but decoupled (decoupled_pg_loss; the value clip around the
-    proximal values): without lag (prox_* = the behaviour's logprob and value) it is PPO's. No
-    all-reduce: after each minibatch the rank takes a central Adam step and pulls the result,
-    whatever the other ranks applied meanwhile included (Sec. 3.2).
+    ppo_multigpu.ppo_update, but with the decoupled loss (appo_loss): without lag (prox_* = the
+    behaviour's logprob and value) it is PPO's. No all-reduce: after each minibatch the rank
+    takes a central Adam step and pulls the result, whatever the other ranks applied meanwhile
+    included (Sec. 3.2).
     """
     adv = batch["advantages"]
     if args.norm_adv:  # this rank's statistics: global ones would make ranks wait for each other
         mean, sq = adv.mean(), (adv * adv).mean()
         adv = (adv - mean) / (torch.sqrt(torch.clamp(sq - mean ** 2, min=0.0)) + 1e-8)
+    data = {**batch, "advantages": adv}
     n = adv.shape[0]
     mb_size = n // args.num_minibatches
-    sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
-                          "clipfrac", "clipfrac_behaviour", "imp_samp_clipfrac"), 0.0)
+    loss_fn = gpu.compiled(appo_loss, args.compile)
+    sums: dict[str, torch.Tensor | float] = {}
     updates, waited = 0, 0.0
     for _ in range(args.update_epochs):
         perm = torch.randperm(n, device=adv.device)
         kls = []
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
-            logits, value = agent(batch["obs"][idx])
-            pi = Categorical(logits=logits)
-            new_logprob, behav_logprob = pi.log_prob(batch["actions"][idx]), batch["logprob"][idx]
-            pg_loss, ratio = decoupled_pg_loss(new_logprob, behav_logprob,
-                                               batch["prox_logprob"][idx], adv[idx],
-                                               args.clip_coef, args.imp_samp_max)
-            logratio = new_logprob - batch["prox_logprob"][idx]  # PPO's statistics without lag
-            behav_logratio = new_logprob - behav_logprob  # what PPO's loss as is would clip
-            ret, old_v = batch["returns"][idx], batch["prox_value"][idx]
-            if args.clip_vloss:
-                v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
-                v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
-            else:
-                v_loss = 0.5 * ((value - ret) ** 2).mean()
-            entropy = pi.entropy().mean()
-            loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-
+            loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
             agent.zero_grad(set_to_none=False)
             loss.backward()
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             waited += central.step(lr)  # chunk by chunk, whichever chunk is free first
             central.pull()  # the new central parameters, other ranks' steps included
-
-            with torch.no_grad():  # KL estimators from http://joschu.net/blog/kl-approx.html
-                approx_kl = ((ratio - 1) - logratio).mean()
-                kls.append(approx_kl)
-                for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss),
-                             ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
-                             ("approx_kl", approx_kl),
-                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean()),
-                             ("clipfrac_behaviour", ((behav_logratio.exp() - 1).abs()
-                                                     > args.clip_coef).float().mean()),
-                             ("imp_samp_clipfrac", (behav_logratio > math.log(
-                                 args.imp_samp_max or math.inf)).float().mean())):
-                    sums[k] += v  # device tensors: no host sync per minibatch
+            kls.append(stats["approx_kl"])
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
         if args.target_kl is not None and torch.stack(kls).mean().item() > args.target_kl:
             break
@@ -314,7 +326,7 @@ def main() -> None:
     run_dir, state = runs.prepare_run(args, "appo_async", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank
-    agent = Agent(num_actions, args.precision).to(device)
+    agent = Agent(num_actions, args.precision, args.channels_last).to(device)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = checkpoint.restore(state, world, model=agent)  # or 0
@@ -327,8 +339,8 @@ def main() -> None:
     central.pull()
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
-    sampler = AsyncSampler(partial(Agent, num_actions, args.precision), act, value, env_kwargs,
-                           args.num_steps,
+    sampler = AsyncSampler(partial(Agent, num_actions, args.precision, args.channels_last), act,
+                           value, env_kwargs, args.num_steps,
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,

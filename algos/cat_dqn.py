@@ -84,10 +84,14 @@ class Args:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
-    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
+    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
+    not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -207,9 +211,10 @@ class C51Network(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015) with atom logits for every action (as C51 used it)."""
 
     def __init__(self, num_actions: int, support: torch.Tensor, dueling: bool = False,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", channels_last: str = "auto"):
         super().__init__()
         self.precision = precision  # --precision of the torso and heads; logits are float32
+        self.channels_last = channels_last
         self.A, self.K, self.dueling = num_actions, len(support), dueling
         self.register_buffer("support", support.clone())  # z [K], also saved in checkpoints
         self.torso = nn.Sequential(
@@ -220,7 +225,7 @@ class C51Network(nn.Module):
         if dueling:
             self.value = nn.Sequential(nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, self.K))
 
-    @gpu.in_precision
+    @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """obs uint8 [N, 4, 84, 84] -> atom logits [N, A, K] (float32; softmax over K)."""
         h = self.torso(obs.float() / 255.0)
@@ -273,22 +278,29 @@ def target_distribution(model: C51Network, target: C51Network, batch: dict[str, 
         return project(p, batch["returns"], batch["discounts"], target.support)
 
 
-def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Optimizer,
-               batch: dict[str, torch.Tensor], args: Args):
-    """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
-
-    Loss: cross-entropy -sum_k m_k log p_k(s, a) against the projected target m (C51, Algorithm
-    1's last line), weighted by the importance weights. The gradient is averaged over ranks
-    before clipping and the step, so R ranks on R batches take the step one process takes on
-    their union, and every rank stays identical. The per-sample cross-entropy is the priority
-    (Rainbow prioritises by the KL divergence, which is this minus the target's entropy).
-    """
+def c51_loss(model: C51Network, target: C51Network, batch: dict[str, torch.Tensor], args: Args
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy -sum_k m_k log p_k(s, a) against the projected target m (C51, Algorithm 1's
+    last line), weighted by the importance weights -> (loss, cross-entropies [N], log p(s, a)
+    [N, K]); one graph under --compile."""
     m = target_distribution(model, target, batch, args.double)  # [N, K]
     logits = model(batch["obs"])  # [N, A, K]
     chosen = logits[torch.arange(len(m), device=m.device), batch["actions"]]  # [N, K]
     log_p = F.log_softmax(chosen, -1)
     ce = -(m * log_p).sum(1)  # [N]
-    loss = (batch["weights"] * ce).mean()
+    return (batch["weights"] * ce).mean(), ce, log_p
+
+
+def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Optimizer,
+               batch: dict[str, torch.Tensor], args: Args):
+    """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
+
+    The gradient of c51_loss is averaged over ranks before clipping and the step, so R ranks on
+    R batches take the step one process takes on their union, and every rank stays identical.
+    The per-sample cross-entropy is the priority (Rainbow prioritises by the KL divergence, which
+    is this minus the target's entropy).
+    """
+    loss, ce, log_p = gpu.compiled(c51_loss, args.compile)(model, target, batch, args)
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
     comm = dist.all_reduce_grads(model)
@@ -301,7 +313,7 @@ def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Opt
 
 def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+        return gpu.adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     # DeepMind's RMSProp (Nature): centered, decay 0.95, minimum squared gradient 0.01 inside the
     # square root; its square root outside stands in for it, as in dqn_multigpu.py.
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
@@ -324,7 +336,8 @@ def main() -> None:
 
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = C51Network(num_actions, support, args.dueling, args.precision).to(device)
+    model = C51Network(num_actions, support, args.dueling, args.precision,
+                       args.channels_last).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -351,8 +364,9 @@ def main() -> None:
     # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy on E[Z], one epsilon per environment column; stepped here or in a sampler
-    feed = replay_feed.ReplayFeed(args, world, model, partial(C51Network, num_actions, support,
-                                                              args.dueling, args.precision),
+    feed = replay_feed.ReplayFeed(args, world, model,
+                                  partial(C51Network, num_actions, support, args.dueling,
+                                          args.precision, args.channels_last),
                                   "q_values", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)

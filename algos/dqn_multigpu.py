@@ -97,10 +97,14 @@ class Args:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
-    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
+    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
+    not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -224,9 +228,11 @@ PRESETS = {  # sources in the module docstring
 class QNetwork(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015) with a Q head, or dueling value and advantage heads."""
 
-    def __init__(self, num_actions: int, dueling: bool = False, precision: str = "fp32"):
+    def __init__(self, num_actions: int, dueling: bool = False, precision: str = "fp32",
+                 channels_last: str = "auto"):
         super().__init__()
         self.precision = precision  # --precision of the torso and heads; Q values are float32
+        self.channels_last = channels_last
         self.torso = nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
@@ -235,7 +241,7 @@ class QNetwork(nn.Module):
         if dueling:
             self.value = nn.Sequential(nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 1))
 
-    @gpu.in_precision
+    @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """obs uint8 [N, 4, 84, 84] -> Q values [N, A] (float32)."""
         h = self.torso(obs.float() / 255.0)
@@ -255,19 +261,25 @@ def td_targets(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor]
         return batch["returns"] + batch["discounts"] * q_next.gather(1, a_next[:, None]).squeeze(1)
 
 
+def dqn_loss(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor], args: Args
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Huber loss (Nature's error clipping to [-1, 1]) weighted by the importance weights ->
+    (loss, Q(s, a) [N], targets [N]); one graph under --compile."""
+    y = td_targets(model, target, batch, args.double)
+    q = model(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # [N]
+    return (batch["weights"] * F.smooth_l1_loss(q, y, reduction="none")).mean(), q, y
+
+
 def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimizer,
                batch: dict[str, torch.Tensor], args: Args, central: CentralOptimizer | None = None):
     """One step on this rank's batch; returns (stats, |TD errors| [N], comm or wait seconds).
 
-    Huber loss (Nature's error clipping to [-1, 1]), weighted by the importance weights. The
-    gradient is averaged over ranks before clipping and the step, so R ranks on R batches take
-    the step one process would take on their union, and every rank stays identical. Asynchronous
-    (`central`): this rank's own clipped gradient goes into the central Adam, whose new parameters
-    it pulls.
+    The gradient of dqn_loss is averaged over ranks before clipping and the step, so R ranks on
+    R batches take the step one process would take on their union, and every rank stays
+    identical. Asynchronous (`central`): this rank's own clipped gradient goes into the central
+    Adam, whose new parameters it pulls.
     """
-    y = td_targets(model, target, batch, args.double)
-    q = model(batch["obs"]).gather(1, batch["actions"][:, None]).squeeze(1)  # [N]
-    loss = (batch["weights"] * F.smooth_l1_loss(q, y, reduction="none")).mean()
+    loss, q, y = gpu.compiled(dqn_loss, args.compile)(model, target, batch, args)
     optimizer.zero_grad(set_to_none=False)
     loss.backward()
     comm = 0.0 if central else dist.all_reduce_grads(model)
@@ -283,7 +295,7 @@ def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimiz
 
 def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
+        return gpu.adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
     # DeepMind's RMSProp (Nature): centered, decay 0.95, eps sqrt(0.01) outside for 0.01 inside
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
                                eps=math.sqrt(0.01), centered=True)
@@ -308,7 +320,7 @@ def main() -> None:
                                            check=partial(central_optim.refusal, args))
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    model = QNetwork(num_actions, args.dueling, args.precision).to(device)
+    model = QNetwork(num_actions, args.dueling, args.precision, args.channels_last).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
@@ -340,7 +352,8 @@ def main() -> None:
     log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
     feed = replay_feed.ReplayFeed(args, world, model,
-                                  partial(QNetwork, num_actions, args.dueling, args.precision),
+                                  partial(QNetwork, num_actions, args.dueling, args.precision,
+                                          args.channels_last),
                                   "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     logger = Logger(run_dir, world, args, state, global_batch)

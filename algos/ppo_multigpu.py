@@ -53,10 +53,14 @@ class Args:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
     compile: bool = False
-    """torch.compile the sampling step's network (mode reduce-overhead: CUDA graphs on a GPU)"""
+    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
+    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
+    not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -132,11 +136,12 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class Agent(nn.Module):
-    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision."""
+    """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
+    and --channels-last."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
         super().__init__()
-        self.precision = precision
+        self.precision, self.channels_last = precision, channels_last
         self.torso = nn.Sequential(
             layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -145,7 +150,7 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
 
-    @gpu.in_precision
+    @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         h = self.torso(obs.float() / 255.0)
@@ -160,9 +165,35 @@ def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.
     return action, {"logprob": pi.log_prob(action), "value": value}
 
 
+def ppo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped-surrogate loss of one minibatch (obs [M, 4, 84, 84] uint8; actions, logprob,
+    value, advantages, returns [M]) -> (loss, statistics); one graph under --compile."""
+    logits, value = agent(mb["obs"])
+    pi = Categorical(logits=logits)
+    logratio = pi.log_prob(mb["actions"]) - mb["logprob"]
+    ratio = logratio.exp()
+    adv = mb["advantages"]
+    pg_loss = torch.max(-adv * ratio,
+                        -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    ret, old_v = mb["returns"], mb["value"]
+    if args.clip_vloss:
+        v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
+        v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
+    else:
+        v_loss = 0.5 * ((value - ret) ** 2).mean()
+    entropy = pi.entropy().mean()
+    loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
+    logratio, ratio = logratio.detach(), ratio.detach()  # KL estimators: joschu.net/blog/kl-approx
+    return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                  "entropy": entropy.detach(), "old_approx_kl": (-logratio).mean(),
+                  "approx_kl": ((ratio - 1) - logratio).mean(),
+                  "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean()}
+
+
 def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
                args: Args) -> tuple[dict[str, float], float]:
-    """Clipped-surrogate PPO epochs over this rank's flat batch; returns (stats, comm seconds).
+    """PPO epochs over this rank's flat batch; returns (stats, comm seconds).
 
     Each minibatch's gradient is averaged over ranks before clipping and the Adam step, so with
     R ranks a step sees R x (batch / num_minibatches) samples and every rank stays identical.
@@ -173,46 +204,26 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
         # R-rank update differ from a 1-rank update on the same data.
         m = dist.all_reduce_mean(torch.stack([adv.mean(), (adv * adv).mean()]))
         adv = (adv - m[0]) / (torch.sqrt(torch.clamp(m[1] - m[0] ** 2, min=0.0)) + 1e-8)
+    data = {**batch, "advantages": adv}
     n = adv.shape[0]
     mb_size = n // args.num_minibatches
-    sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl",
-                          "clipfrac"), 0.0)
+    loss_fn = gpu.compiled(ppo_loss, args.compile)
+    sums: dict[str, torch.Tensor | float] = {}
     updates, comm = 0, 0.0
     for _ in range(args.update_epochs):
         perm = torch.randperm(n, device=adv.device)
         kls = []
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
-            logits, value = agent(batch["obs"][idx])
-            pi = Categorical(logits=logits)
-            logratio = pi.log_prob(batch["actions"][idx]) - batch["logprob"][idx]
-            ratio = logratio.exp()
-            mb_adv = adv[idx]
-            pg_loss = torch.max(-mb_adv * ratio,
-                                -mb_adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-            ret, old_v = batch["returns"][idx], batch["value"][idx]
-            if args.clip_vloss:
-                v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
-                v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
-            else:
-                v_loss = 0.5 * ((value - ret) ** 2).mean()
-            entropy = pi.entropy().mean()
-            loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-
+            loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
             comm += dist.all_reduce_grads(agent)
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
-
-            with torch.no_grad():  # KL estimators from http://joschu.net/blog/kl-approx.html
-                approx_kl = ((ratio - 1) - logratio).mean()
-                kls.append(approx_kl)
-                for k, v in (("policy_loss", pg_loss), ("value_loss", v_loss),
-                             ("entropy", entropy), ("old_approx_kl", (-logratio).mean()),
-                             ("approx_kl", approx_kl),
-                             ("clipfrac", ((ratio - 1).abs() > args.clip_coef).float().mean())):
-                    sums[k] += v  # device tensors: no host sync per minibatch
+            kls.append(stats["approx_kl"])
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
         if args.target_kl is not None:  # ranks must agree, or they would step different counts
             if dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item() > args.target_kl:
@@ -240,8 +251,8 @@ def main() -> None:
     run_dir, state = runs.prepare_run(args, "ppo_multigpu", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    agent = Agent(env_groups[0].num_actions, args.precision).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last).to(device)
+    optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = checkpoint.restore(state, world, model=agent, optimizer=optimizer)  # or 0

@@ -11,9 +11,11 @@ Parts (any subset; none named: all of them, in this order):
           split by --dqn.sampler-cores (written with dqn)
   catdqn  C51's projection against Algorithm 1, its learner, end to end (throughput-cat-dqn-...)
   appo    APPO's sampling and learning alone and overlapped, beside PPO (throughput-appo-...)
+  modes   every script's learner in fp32, bf16, channels-last, compiled and all three, and end
+          to end in its default and fastest mode (throughput-modes-...)
 What each part measures and its targets: the docstrings of benchmarks/throughput_parts/ppo.py
-(ppo, a2c), dqn.py (dqn, dqn-async), cat_dqn.py and appo.py. Each family's options are
---ppo.*, --dqn.*, --catdqn.*, --appo.* (defaults as each was tuned); --seconds and
+(ppo, a2c), dqn.py (dqn, dqn-async), cat_dqn.py, appo.py and modes.py. Each family's options
+are --ppo.*, --dqn.*, --catdqn.*, --appo.*, --modes.* (defaults as each was tuned); --seconds and
 --e2e-seconds set the timing of every part at once.
 
 Run:
@@ -53,6 +55,7 @@ from benchmarks.errors import UserError, fail  # noqa: E402
 from benchmarks.throughput_parts import appo as appo_part  # noqa: E402
 from benchmarks.throughput_parts import cat_dqn as catdqn_part  # noqa: E402
 from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
+from benchmarks.throughput_parts import modes as modes_part  # noqa: E402
 from benchmarks.throughput_parts import ppo as ppo_part  # noqa: E402
 from benchmarks.throughput_parts.measure import hardware  # noqa: E402  # sets OMP_WAIT_POLICY
 from benchmarks.throughput_parts.measure import split_problem  # noqa: E402
@@ -61,11 +64,13 @@ import torch  # noqa: E402
 from common import envs  # noqa: E402
 
 # Families by their option group; each writes one JSON and measures the parts it lists.
-FAMILIES = {"ppo": ppo_part, "dqn": dqn_part, "catdqn": catdqn_part, "appo": appo_part}
+FAMILIES = {"ppo": ppo_part, "dqn": dqn_part, "catdqn": catdqn_part, "appo": appo_part,
+            "modes": modes_part}
 PARTS = {name: key for key, family in FAMILIES.items() for name in family.PARTS}
 HELP = ("Throughput of accelrl's parts on this machine, and how close end-to-end training gets "
         "to them.\n\nParts (any subset; none named: all of them): ppo (raw env, sampler, PPO's "
-        "learner, PPO end to end), a2c (A2C end to end), dqn, dqn-async, catdqn, appo; what each "
+        "learner, PPO end to end), a2c (A2C end to end), dqn, dqn-async, catdqn, appo, modes "
+        "(each learner in each speed mode); what each "
         "measures: "
         "benchmarks/throughput_parts/*.py. One JSON per family in --out DIR; by default in "
         "runs/benchmarks/, numbered -2, -3, ... rather than over an existing file.")
@@ -75,7 +80,7 @@ HELP = ("Throughput of accelrl's parts on this machine, and how close end-to-end
 class Args:
     parts: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="PART")] = \
         tuple(PARTS)
-    """parts to measure, any of ppo a2c dqn dqn-async catdqn appo; none named: all of them"""
+    """parts to measure, any of ppo a2c dqn dqn-async catdqn appo modes; none named: all"""
     env_id: str = "Pong-v5"
     """game to measure (environments, and every end-to-end run)"""
     cuda: bool = True
@@ -96,6 +101,7 @@ class Args:
     dqn: dqn_part.Args = field(default_factory=dqn_part.Args)
     catdqn: catdqn_part.Args = field(default_factory=catdqn_part.Args)
     appo: appo_part.Args = field(default_factory=appo_part.Args)
+    modes: modes_part.Args = field(default_factory=modes_part.Args)
 
 
 def settings(args: Args, key: str) -> SimpleNamespace:
@@ -128,6 +134,9 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     chosen = {key: settings(args, key) for key in FAMILIES if key in {PARTS[n] for n in names}}
     if "appo" in chosen and (problem := appo_part.check(chosen["appo"])):
         raise UserError(problem)
+    if "modes" in chosen and (bad := set(chosen["modes"].algos) - set(modes_part.SCRIPTS)):
+        raise UserError(f"--modes.algos: unknown {sorted(bad)[0]!r}; choose from "
+                        f"{', '.join(modes_part.SCRIPTS)}")
     if "dqn-async" in names and (problem := split_problem("--dqn.sampler-cores",
                                                           chosen["dqn"].sampler_cores)):
         raise UserError(problem)

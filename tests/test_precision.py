@@ -1,4 +1,4 @@
-"""--precision bf16 in every script (common/gpu.py's in_precision on each network's forward):
+"""--precision bf16 in every script (common/gpu.py's in_modes on each network's forward):
 the outputs stay float32 and within bf16's precision of fp32's, each algorithm's loss and its
 gradient follow fp32's on a fixed batch, and C51's projected distribution still sums to 1."""
 

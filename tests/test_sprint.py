@@ -37,6 +37,18 @@ def test_recipe_scales_envs_with_cores_and_keeps_minibatches_of_256(cores, envs,
                                                                              4, False)
 
 
+def test_speed_flags_are_the_mode_measured_fastest_on_the_device():
+    """bf16 and compiled on a CPU with bf16 units (docs/results.md), nothing on a GPU until one
+    is measured; flags the script takes."""
+    cpuinfo = open("/proc/cpuinfo").read()
+    bf16 = "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo
+    assert sprint.speed_flags("cpu") == (["--precision", "bf16", "--compile"] if bf16 else [])
+    assert sprint.speed_flags("cuda") == []
+    a = tyro.cli(load_algo("ppo_multigpu").Args, args=sprint.recipe(2) + ["--precision", "bf16",
+                                                                         "--compile"])
+    assert a.precision == "bf16" and a.compile
+
+
 def reference_time_to(games, target, window):
     for i in range(window - 1, len(games)):
         mean = sum(g[2] for g in games[i - window + 1:i + 1]) / window

@@ -1,0 +1,171 @@
+"""The modes part of benchmarks/throughput.py: every script's learner in each speed mode, and every
+script end to end in its default mode and its fastest (throughput-modes-<host>-<device>.json).
+
+Learner: each script's update function on a synthetic batch of its default size (PPO 8 x 128 in
+4 epochs x 4 minibatches, A2C 16 x 5, APPO as PPO with its central Adam, DQN 512, C51 2048), in
+  fp32           --precision fp32 --channels-last off, eager: the reference every ratio is to
+  bf16           --precision bf16
+  channels-last  --channels-last on
+  compiled       --compile (the loss's forward and backward; its compilation, done in the
+                 warm-up, is reported beside the step time, not in it)
+  best           all three together
+reported as milliseconds per optimizer step (a minibatch for PPO and APPO) and as a speed-up over
+fp32. End to end: each script trained --modes.e2e-seconds after its first progress line with its
+defaults and with --precision bf16 --channels-last on --compile; steady-state steps/s, and
+summary.json's, which also counts start-up and compilation. The DQN family starts learning
+after 2,048 steps, so its runs learn within the budget.
+
+Targets (from the learner's speed work): PPO's step >= 2.5x fp32 in the best mode and >= 1.6x
+in bf16 alone; DQN's and C51's >= 2x in the best mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.throughput_parts.cat_dqn import synthetic_batch
+from benchmarks.throughput_parts.measure import (fmt, load_algo, random_rollout, run_e2e, sync,
+                                                 table, timed)
+from common import gpu
+
+STEM = "throughput-modes"
+PARTS = ("modes",)
+MODES = {"fp32": dict(precision="fp32", channels_last="off", compile=False),
+         "bf16": dict(precision="bf16", channels_last="off", compile=False),
+         "channels-last": dict(precision="fp32", channels_last="on", compile=False),
+         "compiled": dict(precision="fp32", channels_last="off", compile=True),
+         "best": dict(precision="bf16", channels_last="on", compile=True)}
+BEST_FLAGS = ["--precision", "bf16", "--channels-last", "on", "--compile"]
+SCRIPTS = {"ppo": "ppo_multigpu", "a2c": "a2c_multigpu", "appo": "appo_async",
+           "dqn": "dqn_multigpu", "c51": "cat_dqn"}
+E2E_FLAGS = {"dqn": ["--learning-starts", "2048", "--eval-interval", "0", "--replay-size",
+                     "100000"],
+             "c51": ["--learning-starts", "2048", "--eval-interval", "0", "--replay-size",
+                     "100000"],
+             "appo": ["--eval-interval", "0"], "ppo": ["--eval-interval", "0"],
+             "a2c": ["--eval-interval", "0"]}
+
+
+@dataclass
+class Args:
+    """the modes part (written to throughput-modes-<host>-<device>.json)"""
+    algos: tuple[str, ...] = tuple(SCRIPTS)
+    """algorithms to measure, any of ppo a2c appo dqn c51"""
+    seconds: float = 5.0
+    """timed seconds per learner measurement, after its warm-up (compilation included there)"""
+    e2e_seconds: float = 30.0
+    """seconds each end-to-end run trains after its first progress line"""
+    e2e: bool = True
+    """run every script end to end in its default and its best mode (--modes.no-e2e skips)"""
+
+
+def learner(name: str, mode: dict, device: torch.device, seed: int):
+    """(one update of `name`'s learner in `mode`, optimizer steps it takes, a cleanup)."""
+    algo = load_algo(SCRIPTS[name])
+    torch.manual_seed(seed)
+    if name in ("ppo", "a2c", "appo"):
+        args = dataclasses.replace(algo.Args(), **mode)
+        agent = algo.Agent(6, args.precision, args.channels_last).to(device)
+        if name == "a2c":
+            T, B = args.num_steps, args.num_envs
+            flat = random_rollout(T * B + B, 6, device)
+            rollout = {"obs": flat["obs"][:T * B].view(T, B, 4, 84, 84),
+                       "actions": flat["actions"][:T * B].view(T, B),
+                       "rewards": flat["returns"][:T * B].view(T, B).sign(),
+                       "terminated": flat["value"][:T * B].view(T, B) > 2,
+                       "truncated": torch.zeros(T, B, dtype=torch.bool, device=device),
+                       "final_values": flat["value"][:T * B].view(T, B)}
+            optimizer = algo.make_optimizer(agent, args, args.learning_rate)
+            return (lambda: algo.a2c_update(agent, optimizer, rollout, flat["obs"][T * B:],
+                                            args)), 1, lambda: None
+        batch = random_rollout(args.num_envs * args.num_steps, 6, device)
+        steps = args.update_epochs * args.num_minibatches
+        if name == "ppo":
+            optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+            return lambda: algo.ppo_update(agent, optimizer, batch, args), steps, lambda: None
+        from common.central_optim import CentralOptimizer
+        central = CentralOptimizer(agent.parameters(), args.num_chunks, eps=1e-5)
+        central.unlink()
+        batch["prox_logprob"], batch["prox_value"] = batch["logprob"], batch["value"]
+        return (lambda: algo.appo_update(agent, central, batch, args, args.learning_rate),
+                steps, central.close)
+    args = dataclasses.replace(algo.Args(), **mode)
+    batch = synthetic_batch(args.batch_size, 6, device, seed)
+    if name == "dqn":
+        model, target = (algo.QNetwork(6, args.dueling, args.precision, args.channels_last)
+                         .to(device) for _ in range(2))
+        optimizer = algo.make_optimizer(model, args)
+        return lambda: algo.dqn_update(model, target, optimizer, batch, args), 1, lambda: None
+    support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
+    model, target = (algo.C51Network(6, support, args.dueling, args.precision,
+                                      args.channels_last).to(device) for _ in range(2))
+    optimizer = algo.make_optimizer(model, args)
+    return lambda: algo.c51_update(model, target, optimizer, batch, args), 1, lambda: None
+
+
+def bench_learner(name: str, mode_name: str, a, device: torch.device) -> dict:
+    update, steps, cleanup = learner(name, MODES[mode_name], device, a.seed)
+    compiled_before = gpu.compile_seconds()
+    for _ in range(2):  # compilation, then one more warm call
+        update()
+    sync(device)
+    compile_s = gpu.compile_seconds() - compiled_before
+    r = timed(update, steps, a.seconds, device, warmup=0)
+    cleanup()
+    return {"ms_per_step": 1000 / r["steps_per_s"], "optimizer_steps": r["steps"],
+            "seconds": r["seconds"], "compile_seconds": compile_s}
+
+
+def run(res: dict, a, parts: set[str], device: torch.device, num_actions: int) -> None:
+    """Every chosen algorithm's learner in every mode, then end to end, and the ratios."""
+    for name in a.algos:
+        res[name] = {"learner": {}}
+        for mode in MODES:
+            print(f"measuring {name}'s learner, {mode} ...", flush=True)
+            r = res[name]["learner"][mode] = bench_learner(name, mode, a, device)
+            print(f"  {r['ms_per_step']:.1f} ms per step"
+                  + (f", compiled in {r['compile_seconds']:.0f} s" if r["compile_seconds"]
+                     else ""), flush=True)
+        ref = res[name]["learner"]["fp32"]["ms_per_step"]
+        res[name]["speedup"] = {m: ref / r["ms_per_step"]
+                                for m, r in res[name]["learner"].items()}
+        if not a.e2e:
+            continue
+        with tempfile.TemporaryDirectory(prefix="accelrl-bench-") as tmp:
+            for mode, flags in (("default", []), ("best", BEST_FLAGS)):
+                print(f"measuring {name} end to end, {mode} mode ...", flush=True)
+                e = res[name][f"e2e_{mode}"] = run_e2e(SCRIPTS[name], E2E_FLAGS[name] + flags, a,
+                                                       device.type == "cuda",
+                                                       Path(tmp) / f"{name}_{mode}")
+                print(f"  {fmt(e.get('steady_sps'))} steps/s", flush=True)
+
+
+def report(res: dict, a) -> str:
+    """One row per algorithm: ms per step in each mode (speed-up over fp32), then end to end."""
+    head = ("algorithm", *(f"{m} ms/step" for m in MODES), "compile s",
+            "end to end, default", "end to end, best")
+    rows = [head]
+    for name in a.algos:
+        r = res.get(name)
+        if not r:
+            continue
+        lr, sp = r["learner"], r["speedup"]
+        cells = [f"{lr[m]['ms_per_step']:.1f}" + ("" if m == "fp32" else f" ({sp[m]:.2f}x)")
+                 for m in MODES]
+        e2e = []
+        for mode in ("default", "best"):
+            e = r.get(f"e2e_{mode}") or {}
+            whole = (e.get("summary") or {}).get("sps")
+            e2e.append(fmt(e.get("steady_sps")) + (f" (whole run {fmt(whole)})" if whole else "")
+                       if e else "not run")
+        rows.append((SCRIPTS[name], *cells, f"{lr['best']['compile_seconds']:.0f}", *e2e))
+    return table(rows, res, ". Learner: ms per optimizer step on a synthetic batch of the script's "
+                 "default size, speed-up over fp32 eager in brackets; compile s: the best mode's "
+                 "compilation. End to end: steady-state steps/s over iterations 2+ "
+                 f"({a.e2e_seconds:g} s); whole run: summary.json's, start-up and compilation "
+                 "included. Best: --precision bf16 --channels-last on --compile.")
