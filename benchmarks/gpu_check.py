@@ -6,20 +6,23 @@
     python benchmarks/gpu_check.py --steps ppo dqn --timeouts dqn=120
 
 On a machine with one GPU and 16 cores, the first line takes at most 8 minutes (give it a
-command timeout of 600 s): the step timeouts below add up to 8 minutes, the rest is start-up. Each step runs in its own process group under its own timeout (a step is
-`gpu_check.py --step NAME`, this file run again), so a crash or a hang costs that step only: the
-others still run, and the exit code is 1 if any step failed or timed out.
+command timeout of 600 s): the step timeouts below add up to 8 minutes, the rest is start-up.
+Each step runs in its own process group under its own timeout (a step is `gpu_check.py --step
+NAME`, this file run again), so a crash or a hang costs that step only: the others still run,
+and the exit code is 1 if any step failed or timed out.
 
 Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling):
   sprint     benchmarks/sprint.py: PPO's sprint recipe on Pong for 3 minutes from launch (4 envs
              per core), minutes to a mean score of 18 and 20 over 100 games, and a final
-             evaluation of 8 whole games (--quick: 15 s on the synthetic Catch game, targets
+             evaluation of 4 whole games (--quick: 15 s on the synthetic Catch game, targets
              -1 and -0.95 over 20 games, which a random policy reaches: the path, not learning)
   ale        raw ALE on all cores (AtariVectorEnv, random actions, 4 envs per core), and the
              sampler with a trivial policy on the same envs, in interleaved blocks: the ceiling
              every other rate is compared with (benchmarks/throughput.py's ppo part, raw only)
   sampler    the sampler with PPO's network, plain and alternating, and PPO's learner
-  ppo, a2c   end to end, plain and --alternate, on the ceiling's envs (GPU: PPO with --compile)
+  modes      PPO's learner in fp32 eager, bf16, channels-last, compiled and all three, at its
+             default batch (throughput.py's modes part; the same on a CPU with --quick)
+  ppo, a2c   end to end, plain and --alternate, on the ceiling's envs
   dqn        sampling 512 from a 1M replay on the GPU against one DQN-512 update, the learners,
              and dqn_multigpu.py end to end with --replay-device auto --prioritized (GPU: also
              --replay-device cpu, the pinned one-copy upload and priorities' way back); then
@@ -38,6 +41,7 @@ chooses sizes, runs the steps and collects one table.
 Targets (figures to read, not tests):
   PPO and A2C end to end >= 70% of the ALE ceiling measured in the same run;
   alternating >= 1.3x plain where inference and simulation take similar time (see the phases);
+  PPO's learner per minibatch step >= 1.6x fp32 eager in bf16, >= 3x in the best mode;
   DQN-512 and CatDQN-2048 updates/s; sampling 512 from 1M on the GPU < 5% of an update;
   DQN --async-sampling end to end >= 0.9 x min(sampling alone, learning alone).
 
@@ -127,6 +131,7 @@ def sizes(quick: bool) -> Sizes:
     envs = 4 * cores()  # enough per emulator thread that none waits on a slow one
     if quick:  # learning dominates on a CPU: one PPO epoch, few updates per 2,048-step log line
         return Sizes(sprint=("--env-id", "tests.catch_env:Catch-v0", "--minutes", "0.25",
+                             "--no-speed-mode",
                              "--window", "20", "--targets", "-1", "-0.95", "--eval-episodes", "4",
                              "--extra=--num-steps 32 --learning-rate 1e-3"),
                      envs=envs, num_steps=16, appo_steps=8, seconds=0.5, e2e_seconds=0.5,
@@ -136,7 +141,7 @@ def sizes(quick: bool) -> Sizes:
                      q_flags=("--num-envs", "16", "--num-steps", "16", "--replay-ratio", "0.25",
                               "--learning-starts", "1024", "--replay-size", "10000"),
                      small=(4, 16, 128))
-    return Sizes(sprint=("--minutes", "3", "--eval-episodes", "8"),
+    return Sizes(sprint=("--minutes", "3", "--eval-episodes", "4"),
                  envs=envs, num_steps=128, appo_steps=128, seconds=2.0, e2e_seconds=3.0,
                  replay=1_000_000, batch=512, cat_batch=2048, repeats=20, ppo_flags=(),
                  a2c_flags=(), q_flags=("--num-envs", "16", "--learning-starts", "2048",
@@ -304,13 +309,7 @@ def pair(c, script: str, flags: list[str], label: str, key: str) -> list[dict]:
 
 def step_ppo(c) -> list[dict]:
     flags = ["--num-envs", str(c.s.envs), "--num-steps", str(c.s.num_steps), *c.s.ppo_flags]
-    rows = pair(c, "ppo_multigpu", flags, f"PPO, {c.s.envs} envs", "ppo")
-    if c.cuda:  # CUDA graphs for the launch-bound policy step: does --compile pay on a GPU?
-        rows.append(e2e(c, "ppo_multigpu", [*flags, "--compile"], "ppo_compile",
-                        f"PPO, {c.s.envs} envs, end to end, plain, --compile", key="ppo_compile"))
-        ratio = rows[-1]["steps_per_s"] / rows[0]["steps_per_s"]
-        rows[-1]["notes"] = f"--compile/plain {ratio:.2f} (compilation before the timing)"
-    return rows
+    return pair(c, "ppo_multigpu", flags, f"PPO, {c.s.envs} envs", "ppo")
 
 
 def step_a2c(c) -> list[dict]:
@@ -397,6 +396,24 @@ def step_appo(c) -> list[dict]:
                 notes=f"APPO/PPO {r['appo_over_ppo']:.2f}")]
 
 
+def step_modes(c) -> list[dict]:
+    from benchmarks.throughput_parts import modes as modes_part
+
+    a = modes_part.Args(algos=("ppo",), e2e=False)
+    res = run_parts(c, "modes", modes=a)["ppo"]
+    epochs, minibatch = 4, 256  # PPO's defaults, which the modes part measures
+    # steps/s: environment steps per second the learner absorbs (a minibatch step per 256
+    # samples, each sample seen in 4 epochs)
+    return [row(f"PPO learner, {mode}", 1000 * minibatch / epochs / r["ms_per_step"],
+                vs_ceiling=False, in_process=True, key=f"ppo_learner_{mode}",
+                value=res["speedup"][mode],
+                notes=f"{r['ms_per_step']:.1f} ms per minibatch step = "
+                      f"{res['speedup'][mode]:.2f}x fp32 eager"
+                      + (f"; compiled in {r['compile_seconds']:.0f} s" if r["compile_seconds"]
+                         else ""))
+            for mode, r in res["learner"].items()]
+
+
 def step_resume(c) -> list[dict]:
     run, first = c.work / "runs" / "resume", c.s.small[2]
     device = ["--cuda"] if c.cuda else ["--no-cuda"]
@@ -437,19 +454,22 @@ def step_two_ranks(c) -> list[dict]:
 
 # name: (what it runs, its timeout on the GPU in seconds, the function); the timeouts add up to
 # 480 s (tests/test_gpu_check.py checks it), so the whole check fits in a 10-minute command. The
-# sprint's 3 minutes leave the throughput steps 250 s: their measurements are 2-3 s each.
+# sprint's 3 minutes and 4 evaluation games leave the other steps 270 s: their measurements are
+# 2-3 s each, and the modes step's two compilations the rest of its minute.
 STEPS = {
-    "sprint": ("PPO's Pong sprint: minutes to 18 and 20, final evaluation", 230, step_sprint),
+    "sprint": ("PPO's Pong sprint: minutes to 18 and 20, final evaluation", 210, step_sprint),
     "ale": ("raw ALE ceiling and the trivial sampler", 15, step_ale),
-    "sampler": ("sampler with PPO's network, PPO's learner", 20, step_sampler),
-    "ppo": ("PPO end to end, plain and alternating (GPU: and --compile)", 40, step_ppo),
-    "a2c": ("A2C end to end, plain and alternating", 20, step_a2c),
+    "sampler": ("sampler with PPO's network, PPO's learner", 15, step_sampler),
+    "modes": ("PPO's learner in fp32, bf16, channels-last, compiled and all three", 60,
+              step_modes),
+    "ppo": ("PPO end to end, plain and alternating", 30, step_ppo),
+    "a2c": ("A2C end to end, plain and alternating", 15, step_a2c),
     "dqn": ("DQN replay sampling, learners, end to end (GPU: and a host replay), "
-            "--async-sampling's overlap", 55, step_dqn),
+            "--async-sampling's overlap", 50, step_dqn),
     "catdqn": ("C51 projection, learners, end to end", 25, step_catdqn),
-    "appo": ("APPO sampler process, central Adam, end to end", 35, step_appo),
-    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 20, step_resume),
-    "two_ranks": ("2 ranks sharing the GPU over gloo", 20, step_two_ranks),
+    "appo": ("APPO sampler process, central Adam, end to end", 30, step_appo),
+    "resume": ("1-rank torchrun on the GPU, resumed on the CPU", 15, step_resume),
+    "two_ranks": ("2 ranks sharing the GPU over gloo", 15, step_two_ranks),
 }
 
 
@@ -620,6 +640,10 @@ def targets(steps: list[dict], ceiling: float | None) -> list[dict]:
                 v.get("dqn_sample_prioritized"), "<", 0.05))
     out.append(("DQN --async-sampling end to end / min(sampling alone, learning alone)",
                 v.get("dqn_async_over_min"), ">=", 0.9))
+    out += [("PPO's learner, bf16 / fp32 eager per minibatch step", v.get("ppo_learner_bf16"),
+             ">=", 1.6),
+            ("PPO's learner, bf16 + channels-last + compiled / fp32 eager (LeanRL: 6.8x)",
+             v.get("ppo_learner_best"), ">=", 3.0)]
     out += [("DQN updates/s (dqn-512 preset; batch as in the table)", v.get("dqn_dqn-512"),
              None, None),
             ("CatDQN updates/s (catdqn-2k preset; batch as in the table)",

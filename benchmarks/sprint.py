@@ -93,6 +93,10 @@ class Args:
     """whole games in the final evaluation; 0: none"""
     seed: int = 1
     """the run's seed"""
+    speed_mode: bool = True
+    """add the fastest mode measured on the device (speed_flags(): bf16 and compiled on a CPU with
+    bf16 units); --no-speed-mode: the script's defaults, for budgets too short to win back ~10 s
+    of compilation"""
     extra: str = ""
     """more ppo_multigpu.py flags as one string, after the recipe's (so they win)"""
     out: str | None = None
@@ -292,7 +296,7 @@ def main() -> None:
     except UserError as e:
         fail(str(e))
     run_dir, log = folder / "run", folder / "train.log"
-    flags = recipe(cores, args.envs_per_core) + speed_flags(device)
+    flags = recipe(cores, args.envs_per_core) + (speed_flags(device) if args.speed_mode else [])
     cmd = [sys.executable, str(PPO), "--env-id", args.env_id, "--seed", str(args.seed), *flags,
            "--total-timesteps", str(10**10), "--eval-episodes", "0",
            "--eval-max-steps", str(EVAL_MAX_STEPS), "--run-dir", str(run_dir),

@@ -134,9 +134,8 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     chosen = {key: settings(args, key) for key in FAMILIES if key in {PARTS[n] for n in names}}
     if "appo" in chosen and (problem := appo_part.check(chosen["appo"])):
         raise UserError(problem)
-    if "modes" in chosen and (bad := set(chosen["modes"].algos) - set(modes_part.SCRIPTS)):
-        raise UserError(f"--modes.algos: unknown {sorted(bad)[0]!r}; choose from "
-                        f"{', '.join(modes_part.SCRIPTS)}")
+    if "modes" in chosen and (problem := modes_part.check(chosen["modes"])):
+        raise UserError(problem)
     if "dqn-async" in names and (problem := split_problem("--dqn.sampler-cores",
                                                           chosen["dqn"].sampler_cores)):
         raise UserError(problem)

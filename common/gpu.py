@@ -7,7 +7,11 @@ switches on for a GPU.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -34,6 +38,7 @@ def compiled(fn, on: bool):
     if not on:
         return fn
     _compile = True
+    own_compile_cache()
     if fn not in _compiled:
         graph = torch.compile(fn, mode="reduce-overhead")
 
@@ -43,6 +48,20 @@ def compiled(fn, on: bool):
             return graph(*args, **kwargs)
         _compiled[fn] = step
     return _compiled[fn]
+
+
+def own_compile_cache() -> None:
+    """Compile into a folder of this process's own, removed at its exit, unless the user names
+    one (TORCHINDUCTOR_CACHE_DIR): inductor's shared cache is not safe for processes compiling
+    the same graph at once, as torchrun's ranks or a sampler process and its learner do (one
+    reads a compiled library another is still writing: "file too short", pytorch/torchdynamo
+    #1347). Each process then compiles from scratch (10-60 s on a CPU)."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") and \
+            os.environ.get("ACCELRL_COMPILE_CACHE_OF") in (None, str(os.getpid())):
+        return  # the user's, or this process's already
+    folder = tempfile.mkdtemp(prefix="accelrl-compile-")
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=folder, ACCELRL_COMPILE_CACHE_OF=str(os.getpid()))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 def compile_seconds() -> float:

@@ -103,6 +103,24 @@ def test_compiled_loss_is_the_eager_loss(script):
     assert gpu.compile_seconds() > 0 and gpu.switches()["compile"]
 
 
+def test_each_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
+    """Inductor's shared cache races when processes compile the same graph at once (a test run
+    of two compiling processes failed on it): a process gets a folder of its own, a child
+    process that inherited its parent's gets another, and a folder the user names is kept."""
+    import os
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ACCELRL_COMPILE_CACHE_OF", raising=False)
+    gpu.own_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)  # the user's
+    monkeypatch.setenv("ACCELRL_COMPILE_CACHE_OF", str(os.getpid() + 1))  # a parent's
+    gpu.own_compile_cache()
+    mine = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert mine != str(tmp_path) and "accelrl-compile-" in mine and os.path.isdir(mine)
+    assert os.environ["ACCELRL_COMPILE_CACHE_OF"] == str(os.getpid())
+    gpu.own_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine  # made once per process
+
+
 def test_fused_adam_takes_adams_step():
     """Three steps of gpu.adam (fused on a CPU) and of torch's default Adam, on the same
     gradients, leave the same parameters (to 1e-6)."""

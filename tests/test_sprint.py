@@ -12,7 +12,7 @@ from tests.conftest import ROOT, load_algo, run_python
 
 from benchmarks import sprint  # noqa: E402
 
-CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--no-cuda", "--window", "20",
+CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--no-cuda", "--window", "20", "--no-speed-mode",
          "--extra=--num-steps 32 --learning-rate 1e-3")
 
 
