@@ -103,8 +103,8 @@ class Args:
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
     channels_last: Literal["auto", "on", "off"] = "auto"
-    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
-    not on a GPU (not yet measured there)"""
+    """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
+    faster there, docs/results.md), not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False

@@ -73,8 +73,8 @@ def compile_seconds() -> float:
 
 
 def channels_last(setting: str, device: torch.device) -> bool:
-    """--channels-last: "auto" is on where it measured faster, on a CPU (docs/results.md: the
-    learner 1.7x faster in fp32 and 1.3x in bf16 on a bf16 CPU); off on a GPU until measured."""
+    """--channels-last: "auto" is on where it measured faster, on a CPU (docs/results.md: every
+    script's learner 1.26-1.43x faster in fp32); off on a GPU until measured there."""
     return setting == "on" or (setting == "auto" and device.type == "cpu")
 
 
