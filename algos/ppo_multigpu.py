@@ -59,8 +59,8 @@ class Args:
     """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
     and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
     channels_last: Literal["auto", "on", "off"] = "auto"
-    """convolutions in channels-last memory format; auto: on a CPU (learner 1.3-1.7x faster),
-    not on a GPU (not yet measured there)"""
+    """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
+    faster there, docs/results.md), not on a GPU (not yet measured there)"""
     run_dir: str | None = None
     """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
     alternate: bool = False
@@ -127,6 +127,9 @@ class Args:
     """global gradient-norm clip, applied after averaging over ranks (baselines' ppo2)"""
     target_kl: float | None = None
     """stop an update's epochs early when the rank-averaged approximate KL exceeds this"""
+    kl_threshold: float | None = None
+    """adapt the learning rate to keep each epoch's rank-averaged approximate KL near this
+    (rl_games' lr_schedule adaptive, kl_threshold 0.008; adaptive_lr); replaces --anneal-lr"""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -163,6 +166,16 @@ def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.
     pi = Categorical(logits=logits)
     action = pi.sample()
     return action, {"logprob": pi.log_prob(action), "value": value}
+
+
+def adaptive_lr(lr: float, kl: float, threshold: float) -> float:
+    """rl_games' adaptive schedule: the learning rate / 1.5 after an epoch whose KL exceeds twice
+    the threshold, x 1.5 after one under half of it, kept within [1e-6, 1e-2]."""
+    if kl > 2 * threshold:
+        return max(lr / 1.5, 1e-6)
+    if kl < threshold / 2:
+        return min(lr * 1.5, 1e-2)
+    return lr
 
 
 def ppo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
@@ -225,9 +238,15 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
-        if args.target_kl is not None:  # ranks must agree, or they would step different counts
-            if dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item() > args.target_kl:
-                break
+        if args.target_kl is None and args.kl_threshold is None:
+            continue
+        # ranks must agree, or they would step different counts or rates
+        kl = dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item()
+        if args.kl_threshold is not None:
+            lr = adaptive_lr(optimizer.param_groups[0]["lr"], kl, args.kl_threshold)
+            optimizer.param_groups[0]["lr"] = lr
+        if args.target_kl is not None and kl > args.target_kl:
+            break
     return {k: float(v) / updates for k, v in sums.items()}, comm
 
 
@@ -283,9 +302,9 @@ def main() -> None:
     while global_step < args.total_timesteps:
         # The schedule follows the global step, so a resume with other ranks or batches goes on
         # where it stopped.
-        lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
-                                   if args.anneal_lr else 1.0)
-        optimizer.param_groups[0]["lr"] = lr
+        if args.kl_threshold is None:  # else ppo_update adapts it, kept in the optimizer's state
+            optimizer.param_groups[0]["lr"] = args.learning_rate * (
+                max(0.0, 1.0 - global_step / args.total_timesteps) if args.anneal_lr else 1.0)
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
         rollout = sampler.collect(lambda obs: act(step, obs), value_fn=lambda o: agent(o)[1])
@@ -315,7 +334,7 @@ def main() -> None:
         logger.log(global_step,
                    {**{f"losses/{k}": v for k, v in stats.items()},
                     "losses/explained_variance": explained_var.item(),
-                    "charts/learning_rate": lr},
+                    "charts/learning_rate": optimizer.param_groups[0]["lr"]},
                    sampler.pop_episodes(), phases.pop())
         if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
             save()

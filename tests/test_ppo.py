@@ -227,3 +227,31 @@ def test_same_seed_same_run(tmp_path):
         params.append(torch.load(run / "checkpoints" / "step_128.pt", weights_only=True)["model"])
     for k in params[0]:
         assert torch.equal(params[0][k], params[1][k]), k
+
+
+def test_adaptive_lr_follows_rl_games_rule():
+    """rl_games' adaptive schedule: / 1.5 above twice the threshold, x 1.5 under half of it,
+    unchanged between, within [1e-6, 1e-2]."""
+    ppo = load_algo("ppo_multigpu")
+    assert ppo.adaptive_lr(3e-4, 0.02, 0.008) == pytest.approx(2e-4)
+    assert ppo.adaptive_lr(3e-4, 0.003, 0.008) == pytest.approx(4.5e-4)
+    for kl in (0.004, 0.008, 0.016):  # the band's edges keep the rate
+        assert ppo.adaptive_lr(3e-4, kl, 0.008) == 3e-4
+    assert ppo.adaptive_lr(1.2e-6, 1.0, 0.008) == 1e-6
+    assert ppo.adaptive_lr(8e-3, 0.0, 0.008) == 1e-2
+
+
+@pytest.mark.parametrize("threshold, factor", [(10.0, 1.5), (1e-9, 1 / 1.5)])
+def test_kl_threshold_adapts_the_rate_once_per_epoch(threshold, factor):
+    """--kl-threshold: after each of 3 epochs the learning rate moves by the rule, on the
+    epoch's rank-averaged KL (a huge threshold: it grows; a tiny one: it shrinks)."""
+    from common import dist
+    ppo = load_algo("ppo_multigpu")
+    dist.setup(cuda=False)
+    args = ppo.Args(update_epochs=3, num_minibatches=2, kl_threshold=threshold)
+    torch.manual_seed(0)
+    agent = ppo.Agent(6)
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-4, eps=1e-5)
+    ppo.ppo_update(agent, opt, _batch(32, 6), args)
+    dist.cleanup()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4 * factor ** 3)
