@@ -38,8 +38,8 @@ def compiled(fn, on: bool):
     if not on:
         return fn
     _compile = True
-    own_compile_cache()
     if fn not in _compiled:
+        own_compile_cache()
         graph = torch.compile(fn, mode="reduce-overhead")
 
         def step(*args, **kwargs):
