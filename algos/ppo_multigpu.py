@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
 from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
 from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.running_norm import RunningNorm  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
@@ -130,6 +131,15 @@ class Args:
     kl_threshold: float | None = None
     """adapt the learning rate to keep each epoch's rank-averaged approximate KL near this
     (rl_games' lr_schedule adaptive, kl_threshold 0.008; adaptive_lr); replaces --anneal-lr"""
+    normalize_input: bool = False
+    """feed the network each input element normalised by its running mean and standard deviation,
+    clipped to +-5 (rl_games' normalize_input; common/running_norm.py); off: frames / 255 (PPO
+    paper)"""
+    normalize_value: bool = False
+    """learn the value in units of the returns' running standard deviation (rl_games'
+    normalize_value); the value loss, its clipping and --vf-coef apply in those units"""
+    activation: Literal["relu", "elu"] = "relu"
+    """the torso's nonlinearity (Nature DQN: relu; rl_games' Atari configs: elu)"""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -140,24 +150,45 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 class Agent(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
-    and --channels-last."""
+    and --channels-last. With --normalize-input / --normalize-value it holds the running
+    statistics (buffers, so checkpoints carry them) and returns the value in the returns' units."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto",
+                 activation: str = "relu", normalize_input: bool = False,
+                 normalize_value: bool = False):
         super().__init__()
         self.precision, self.channels_last = precision, channels_last
+        act = {"relu": nn.ReLU, "elu": nn.ELU}[activation]
         self.torso = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), act(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), act(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), act(), nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), act())
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+        self.obs_norm = RunningNorm(envs.OBS_SHAPE) if normalize_input else None
+        self.value_norm = RunningNorm(()) if normalize_value else None
 
     @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
-        h = self.torso(obs.float() / 255.0)
-        return self.actor(h), self.critic(h).squeeze(-1)
+        x = obs.float() / 255.0
+        h = self.torso(self.obs_norm(x) if self.obs_norm is not None else x)
+        value = self.critic(h).squeeze(-1).float()
+        if self.value_norm is not None:
+            value = self.value_norm.denormalize(value)
+        return self.actor(h), value
+
+    def value_scale(self) -> torch.Tensor | float:
+        """The unit the value is learned in: the returns' running standard deviation, or 1."""
+        return self.value_norm.std() if self.value_norm is not None else 1.0
+
+    def update_norms(self, obs: torch.Tensor, returns: torch.Tensor) -> None:
+        """Fold a batch (obs uint8 [N, 4, 84, 84], returns [N]) into the running statistics."""
+        if self.obs_norm is not None:
+            self.obs_norm.update(obs, scale=1 / 255.0)
+        if self.value_norm is not None:
+            self.value_norm.update(returns)
 
 
 def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -189,7 +220,8 @@ def ppo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
     adv = mb["advantages"]
     pg_loss = torch.max(-adv * ratio,
                         -adv * ratio.clamp(1 - args.clip_coef, 1 + args.clip_coef)).mean()
-    ret, old_v = mb["returns"], mb["value"]
+    s = agent.value_scale()  # --normalize-value: value errors in the returns' standard deviations
+    value, ret, old_v = value / s, mb["returns"] / s, mb["value"] / s
     if args.clip_vloss:
         v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
         v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
@@ -270,7 +302,8 @@ def main() -> None:
     run_dir, state = runs.prepare_run(args, "ppo_multigpu", world)
 
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
-    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last).to(device)
+    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last, args.activation,
+                  args.normalize_input, args.normalize_value).to(device)
     optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
@@ -322,6 +355,8 @@ def main() -> None:
                      "logprob": rollout["logprob"].flatten(), "value": rollout["value"].flatten(),
                      "advantages": advantages.flatten(),
                      "returns": (advantages + rollout["value"]).flatten()}
+            # rl_games' order: the statistics take in the batch before the epochs learn from it
+            agent.update_norms(batch["obs"], batch["returns"])
             stats, comm = ppo_update(agent, optimizer, batch, args)
         phases.add("comm", comm, taken_from="learn")
 

@@ -152,12 +152,18 @@ def run_args(module, ckpt: Path, state: dict):
     return module.Args(**merged)
 
 
-def build_network(module, kind: str, weights: dict, num_actions: int) -> torch.nn.Module:
-    """The script's network for `weights`. Dueling heads and C51's atoms are read from the
-    weights themselves (they are what was trained, whatever a flag says)."""
+def build_network(module, kind: str, weights: dict, num_actions: int,
+                  run=None) -> torch.nn.Module:
+    """The script's network for `weights`. Dueling heads, C51's atoms and PPO's running
+    normalisers are read from the weights themselves (they are what was trained, whatever a flag
+    says); PPO's activation from the run's flags."""
     dueling = any(k.startswith("value.") for k in weights)
     if kind == "pg":
-        return module.Agent(num_actions)
+        if "activation" not in module.Args.__dataclass_fields__:  # PPO's options only
+            return module.Agent(num_actions)
+        return module.Agent(num_actions, activation=getattr(run, "activation", "relu"),
+                            normalize_input="obs_norm.mean" in weights,
+                            normalize_value="value_norm.mean" in weights)
     if kind == "dqn":
         return module.QNetwork(num_actions, dueling)
     if "support" not in weights:
@@ -334,7 +340,7 @@ def evaluate(args: Args) -> dict:
         env = evaluation.make_envs(run)
     except envs.EnvError as e:
         raise UserError(str(e)) from None
-    model = build_network(module, kind, state["model"], env.num_actions)
+    model = build_network(module, kind, state["model"], env.num_actions, run)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
