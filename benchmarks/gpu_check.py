@@ -13,7 +13,7 @@ and the exit code is 1 if any step failed or timed out.
 
 Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling):
   sprint     benchmarks/sprint.py: PPO's sprint recipe on Pong for 3 minutes from launch (4 envs
-             per core), minutes to a mean score of 18 and 20 over 100 games, and a final
+             per core, at least 24), minutes to a mean score of 18 and 20 over 100 games, and a final
              evaluation of 4 whole games (--quick: 15 s on the synthetic Catch game, targets
              -1 and -0.95 over 20 games, which a random policy reaches: the path, not learning)
   ale        raw ALE on all cores (AtariVectorEnv, random actions, 4 envs per core), and the

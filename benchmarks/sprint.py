@@ -5,23 +5,23 @@
     python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \\
         --targets 0 0.9 --window 20 --extra "--num-steps 32 --learning-rate 1e-3"
 
-The recipe (`recipe()`; docs/results.md, "Pong in minutes") is algos/ppo_multigpu.py with settings
-chosen for wall-clock time on one GPU fed by many cores, each with its source:
-  environments   4 per core (--envs-per-core; cores: those this process may use), so the same
-                 command sizes itself for 16 cores (64 envs) and for 2 (8 envs): enough per
-                 emulator thread that none waits on a slow one (gpu_check.py's ceiling uses 4)
-  rollout        128 steps per environment (PPO paper, CleanRL's ppo_atari and its envpool
-                 recipe "Learn Pong-v5 in ~5-10 mins")
-  minibatches    of 256 samples, as many as the batch holds (the PPO paper's 4 x 256 at 8 envs;
-                 CleanRL's envpool recipe: 8 x 256 at 16): the gradient steps per sample stay
-                 those of the published recipes whatever the core count, and on a GPU the extra
-                 minibatches of a larger batch cost little beside the emulators
-  epochs         4 (CleanRL's ppo_atari, baselines' ppo2; the envpool recipes take 3)
-  clipping       0.2 (CleanRL's envpool Pong recipe and rl_games' ppo_pong_envpool.yaml; the
-                 PPO paper's Atari 0.1 learns Pong more slowly per step)
-  learning rate  2.5e-4 (PPO paper, CleanRL), constant: the run ends on the clock, not at a
-                 step count an annealing could aim at (CleanRL anneals to 0 over 10M steps, which
-                 in the first 2M steps is within 20% of constant)
+The recipe (`recipe()`; docs/results.md, "Pong in minutes") is algos/ppo_multigpu.py with
+rl_games' Pong settings (its ppo_pong_envpool.yaml: 18.1 at 1.06M steps in envpool's demo), sized
+for the cores, each with its source:
+  environments   4 per core (--envs-per-core; cores: those this process may use), at least 24
+                 (rl_games' actors): 24 on 2 cores, 64 on 16; enough per emulator thread that
+                 none waits on a slow one (gpu_check.py's ceiling uses 4)
+  batch          about 6,144 samples per iteration (rl_games: 24 actors x 256 steps): the
+                 rollout is 6,144 / envs steps, rounded up to a multiple of 8 (256 on 2 cores,
+                 96 on 16), so the samples per update stay rl_games' at any core count
+  minibatches    8 per epoch, 768 samples each at 24 x 256, 3 epochs (rl_games)
+  clipping       0.2, no value clipping (rl_games; CleanRL's envpool Pong recipe also clips 0.2)
+  learning rate  3e-4 with rl_games' adaptive schedule, KL threshold 0.01 (--kl-threshold):
+                 / 1.5 when an epoch's KL passes 0.02, x 1.5 under 0.005
+  values         discount 0.999 (rl_games' envpool config), GAE 0.95, critic coefficient 1,
+                 returns normalised (--normalize-value), gradient norm 10 (rl_games)
+  inputs         each pixel normalised by its running mean and deviation (--normalize-input);
+                 ELU activations (--activation elu) (rl_games)
   --alternate    off: the alternating sampler pays only where inference takes as long as
                  simulation (gpu_check.py's "alternating/plain" row says whether it does)
   speed mode     the fastest measured on the device (`speed_flags()`): on a CPU with bf16 units
@@ -68,7 +68,9 @@ from benchmarks.errors import UserError, fail  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
 
 PPO = ROOT / "algos" / "ppo_multigpu.py"
-MINIBATCH = 256  # samples per minibatch (PPO paper: 4 x 256 from 8 actors x 128 steps)
+BATCH = 6_144  # samples per iteration (rl_games' ppo_pong_envpool.yaml: 24 actors x 256 steps)
+MIN_ENVS = 24  # rl_games' actors
+MINIBATCHES = 8  # per epoch (rl_games: minibatches of 768 from 6,144)
 EVAL_MAX_STEPS = 27_000  # 108,000 frames: games that long are cut, none shorter
 STOP_GRACE = 120.0  # seconds the run gets to checkpoint and stop after SIGTERM
 
@@ -82,7 +84,7 @@ class Args:
     cuda: bool = True
     """train on the GPU when one is visible; --no-cuda: on the CPU"""
     envs_per_core: int = 4
-    """environments per CPU core"""
+    """environments per CPU core (at least 24 in all, rl_games' actors)"""
     cores: int | None = None
     """cores to size the recipe for; default: those this process may run on"""
     targets: tuple[float, ...] = (18.0, 20.0)
@@ -103,13 +105,20 @@ class Args:
     """output folder, which must not exist; default runs/benchmarks/sprint-<host>-<device>"""
 
 
+def num_envs(cores: int, envs_per_core: int) -> int:
+    return max(MIN_ENVS, envs_per_core * cores)
+
+
 def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
     """ppo_multigpu.py's flags for the sprint on this many cores (sources in the docstring)."""
-    envs = envs_per_core * cores
-    batch = envs * 128
-    return ["--num-envs", str(envs), "--num-steps", "128",
-            "--num-minibatches", str(max(1, batch // MINIBATCH)), "--update-epochs", "4",
-            "--clip-coef", "0.2", "--learning-rate", "2.5e-4", "--no-anneal-lr"]
+    envs = num_envs(cores, envs_per_core)
+    steps = -(-BATCH // (envs * MINIBATCHES)) * MINIBATCHES  # so 8 minibatches divide the batch
+    return ["--num-envs", str(envs), "--num-steps", str(steps),
+            "--num-minibatches", str(MINIBATCHES), "--update-epochs", "3",
+            "--clip-coef", "0.2", "--no-clip-vloss", "--learning-rate", "3e-4",
+            "--kl-threshold", "0.01", "--gamma", "0.999", "--vf-coef", "1",
+            "--max-grad-norm", "10", "--normalize-value", "--normalize-input",
+            "--activation", "elu"]
 
 
 def speed_flags(device: str) -> list[str]:
@@ -259,7 +268,8 @@ def plot(path: Path, games: list[tuple[float, int, float]], means: list[float],
 
 def markdown(r: dict) -> str:
     lines = [f"{r['env_id']} sprint, {r['minutes']:g}-minute budget, {r['envs']} envs "
-             f"({r['cores']} cores x {r['envs_per_core']}); {r['hardware']}", "",
+             f"({r['cores']} cores, {r['envs_per_core']} per core, at least {MIN_ENVS}); "
+             f"{r['hardware']}", "",
              "| target | time from launch | steps | games |", "|---|---|---|---|"]
     for t in r["targets"]:
         lines.append(f"| {t['target']:g} (mean of last {r['window']}) | "
@@ -320,7 +330,7 @@ def main() -> None:
     report = {
         "env_id": args.env_id, "minutes": args.minutes, "hardware": hw_line, "device": device,
         "cores": cores, "envs_per_core": args.envs_per_core,
-        "envs": cores * args.envs_per_core, "recipe": flags, "command": cmd,
+        "envs": num_envs(cores, args.envs_per_core), "recipe": flags, "command": cmd,
         "stopped_by_budget": stopped, "train_seconds": seconds, "steps": steps,
         "steps_per_s_overall": steps / seconds, "steps_per_s_training": summary.get("sps"),
         "games": len(games), "window": args.window,

@@ -24,17 +24,20 @@ def flag(flags: list[str], name: str) -> str:
     return flags[flags.index(name) + 1]
 
 
-@pytest.mark.parametrize("cores, envs, minibatches", [(2, 8, 4), (16, 64, 32)])
-def test_recipe_scales_envs_with_cores_and_keeps_minibatches_of_256(cores, envs, minibatches):
+@pytest.mark.parametrize("cores, envs, steps", [(2, 24, 256), (16, 64, 96), (10, 40, 160)])
+def test_recipe_scales_envs_with_cores_and_keeps_rl_games_batch(cores, envs, steps):
+    """At least 24 envs, 4 per core; the batch near 6,144 in 8 minibatches whatever the cores
+    (rl_games' 24 x 256 in minibatches of 768); the rest rl_games' settings, flags the script
+    takes."""
     flags = sprint.recipe(cores)
-    assert int(flag(flags, "--num-envs")) == envs
-    assert int(flag(flags, "--num-minibatches")) == minibatches
-    batch = int(flag(flags, "--num-envs")) * int(flag(flags, "--num-steps"))
-    assert batch // minibatches == 256 and batch % minibatches == 0
-    assert "--no-anneal-lr" in flags and flag(flags, "--clip-coef") == "0.2"
-    a = tyro.cli(load_algo("ppo_multigpu").Args, args=flags)  # flags the script takes
-    assert (a.num_envs, a.num_minibatches, a.update_epochs, a.anneal_lr) == (envs, minibatches,
-                                                                             4, False)
+    assert (int(flag(flags, "--num-envs")), int(flag(flags, "--num-steps"))) == (envs, steps)
+    batch = envs * steps
+    assert 6144 <= batch < 6144 + 8 * envs and batch % 8 == 0
+    a = tyro.cli(load_algo("ppo_multigpu").Args, args=flags)
+    assert (a.num_envs, a.num_steps, a.num_minibatches, a.update_epochs) == (envs, steps, 8, 3)
+    assert (a.clip_coef, a.clip_vloss, a.learning_rate, a.kl_threshold) == (0.2, False, 3e-4, 0.01)
+    assert (a.gamma, a.gae_lambda, a.vf_coef, a.max_grad_norm) == (0.999, 0.95, 1.0, 10.0)
+    assert a.normalize_input and a.normalize_value and a.activation == "elu"
 
 
 def test_speed_flags_are_the_mode_measured_fastest_on_the_device():
