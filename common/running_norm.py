@@ -46,7 +46,8 @@ class RunningNorm(nn.Module):
         count, mean = self.count.item(), self.mean.double()
         total_count = count + b_count
         delta = b_mean - mean
-        m2 = self.var.double() * count + b_var * b_count + delta ** 2 * count * b_count / total_count
+        m2 = (self.var.double() * count + b_var * b_count
+              + delta ** 2 * count * b_count / total_count)
         self.mean.copy_(mean + delta * b_count / total_count)
         self.var.copy_(m2 / total_count)
         self.count.fill_(total_count)

@@ -104,11 +104,13 @@ def test_ppo_value_loss_in_units_of_the_returns_std():
     g = torch.Generator().manual_seed(3)
     mb = {"obs": obs, "actions": torch.randint(0, 6, (32,), generator=g),
           "logprob": -torch.rand(32, generator=g), "advantages": torch.randn(32, generator=g),
-          "returns": torch.randn(32, generator=g) * 4 + 3, "value": torch.randn(32, generator=g) * 4}
+          "returns": torch.randn(32, generator=g) * 4 + 3,
+          "value": torch.randn(32, generator=g) * 4}
     value = agent(obs)[1]
     s = agent.value_norm.std()
     _, stats = ppo.ppo_loss(agent, mb, ppo.Args(clip_vloss=False))
-    torch.testing.assert_close(stats["value_loss"], 0.5 * (((value - mb["returns"]) / s) ** 2).mean())
+    ref = 0.5 * (((value - mb["returns"]) / s) ** 2).mean()
+    torch.testing.assert_close(stats["value_loss"], ref)
     _, stats = ppo.ppo_loss(agent, mb, ppo.Args(clip_vloss=True, clip_coef=0.1))
     clipped = mb["value"] / s + ((value - mb["value"]) / s).clamp(-0.1, 0.1)
     ref = 0.5 * torch.max(((value - mb["returns"]) / s) ** 2,
@@ -136,3 +138,20 @@ def test_evaluate_rebuilds_the_trained_network(options):
     net.load_state_dict(weights)
     for a, b in zip(net(obs), agent(obs)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_compiled_network_sees_each_update_of_the_statistics():
+    """--compile with the normalisers (the sprint's mode): the compiled forward reads the running
+    statistics as they are now, not as they were when it was compiled."""
+    from common import gpu
+    ppo = load_algo("ppo_multigpu")
+    agent, obs = _fitted_agent(ppo, normalize_input=True, normalize_value=True, activation="elu")
+    step = gpu.compiled(agent, True)
+    with torch.no_grad():
+        for i in range(2):
+            for a, b in zip(step(obs), agent(obs)):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            before = step(obs)[1].clone()
+            agent.update_norms(torch.full_like(obs, 200), torch.full((32,), 50.0 + i))
+        assert not torch.allclose(step(obs)[1], before)

@@ -80,8 +80,8 @@ def test_sprint_on_catch_reports_times_and_writes_png_and_csv(tmp_path):
                       "--eval-episodes", "4", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads((out / "sprint.json").read_text())
-    assert r["stopped_by_budget"] and r["envs"] == r["cores"] * 4 == 4 * len(
-        __import__("os").sched_getaffinity(0))
+    assert r["cores"] == len(__import__("os").sched_getaffinity(0))
+    assert r["stopped_by_budget"] and r["envs"] == max(24, r["cores"] * 4)
     assert r["steps"] > 0 and r["steps_per_s_overall"] > 0 and r["games"] >= 20
     assert 0 < r["train_seconds"] < 0.33 * 60 + sprint.STOP_GRACE
     rows = list(csv.DictReader(open(out / "sprint.csv")))
