@@ -55,13 +55,24 @@ def own_compile_cache() -> None:
     one (TORCHINDUCTOR_CACHE_DIR): inductor's shared cache is not safe for processes compiling
     the same graph at once, as torchrun's ranks or a sampler process and its learner do (one
     reads a compiled library another is still writing: "file too short", pytorch/torchdynamo
-    #1347). Each process then compiles from scratch (10-60 s on a CPU)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") and \
+    #1347). Each process then compiles from scratch (10-60 s on a CPU). Inductor writes its
+    shared default folder into TORCHINDUCTOR_CACHE_DIR whenever it finds the variable unset, so
+    that folder is never taken for the user's choice."""
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named and os.path.abspath(named) != _inductor_default_cache() and \
             os.environ.get("ACCELRL_COMPILE_CACHE_OF") in (None, str(os.getpid())):
         return  # the user's, or this process's already
     folder = tempfile.mkdtemp(prefix="accelrl-compile-")
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=folder, ACCELRL_COMPILE_CACHE_OF=str(os.getpid()))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+def _inductor_default_cache() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        return os.path.abspath(default_cache_dir())
+    except ImportError:  # torch moved it: no folder is then taken for the default
+        return ""
 
 
 def compile_seconds() -> float:

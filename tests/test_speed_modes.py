@@ -119,6 +119,12 @@ def test_each_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
     assert os.environ["ACCELRL_COMPILE_CACHE_OF"] == str(os.getpid())
     gpu.own_compile_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine  # made once per process
+    # inductor's shared default, which it writes into the environment itself, is nobody's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.delenv("ACCELRL_COMPILE_CACHE_OF")
+    gpu.own_compile_cache()
+    assert "accelrl-compile-" in os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_fused_adam_takes_adams_step():
