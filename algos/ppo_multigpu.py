@@ -130,7 +130,7 @@ class Args:
     """stop an update's epochs early when the rank-averaged approximate KL exceeds this"""
     kl_threshold: float | None = None
     """adapt the learning rate to keep each epoch's rank-averaged approximate KL near this
-    (rl_games' lr_schedule adaptive, kl_threshold 0.008; adaptive_lr); replaces --anneal-lr"""
+    (rl_games' lr_schedule adaptive; its Pong configs: 0.01; adaptive_lr); replaces --anneal-lr"""
     normalize_input: bool = False
     """feed the network each input element normalised by its running mean and standard deviation,
     clipped to +-5 (rl_games' normalize_input; common/running_norm.py); off: frames / 255 (PPO
