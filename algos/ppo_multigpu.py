@@ -31,75 +31,19 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import checkpoint, cli, dist, envs, evaluation, gpu, runs, signals  # noqa: E402
+from common import cli, dist, envs, evaluation, grad_step, gpu  # noqa: E402
 from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.run import Run, RunArgs  # noqa: E402
 from common.running_norm import RunningNorm  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
 @dataclass
-class Args:
-    env_id: str = "Pong-v5"
-    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
-    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
-    seed: int = 1
-    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
+class Args(RunArgs):  # the flags every script shares: common/run.py
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
     num_envs: int = 8
     """environments per rank (paper: 8 per GPU for PPO)"""
-    cuda: bool = True
-    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
-    compile: bool = False
-    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
-    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
-    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
-    channels_last: Literal["auto", "on", "off"] = "auto"
-    """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
-    faster there, docs/results.md), not on a GPU (not yet measured there)"""
-    run_dir: str | None = None
-    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
-    alternate: bool = False
-    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
-    checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
-    checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
-    resume: str | None = None
-    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
-    --run-dir's newest checkpoint if it has one, else start the run there"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
-    keeps all"""
-    collective_timeout: float = 600.0
-    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
-    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
-    episodic_life: bool = True
-    """end the learner's episode at each life loss, the game going on (paper: on)"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
-    clip_rewards: bool = True
-    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
-    report the raw score"""
-    fire_reset: bool = True
-    """press FIRE at every game start and after every lost life, in games that have it (Breakout
-    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
-    eval_interval: int = 250_000
-    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
-    the final one at the end of the run"""
-    eval_episodes: int = 8
-    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
-    eval_envs: int = 4
-    """evaluation environments per rank, separate from the training ones"""
-    eval_max_steps: int = 4_500
-    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
-    5-minute cap of Machado et al. 2018)"""
-
     num_steps: int = 128
     """steps per environment per rollout (PPO paper, Atari)"""
     learning_rate: float = 2.5e-4
@@ -236,7 +180,7 @@ def ppo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
                   "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean()}
 
 
-def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+def ppo_update(agent: Agent, step: grad_step.AllReduceStep, batch: dict[str, torch.Tensor],
                args: Args) -> tuple[dict[str, float], float]:
     """PPO epochs over this rank's flat batch; returns (stats, comm seconds).
 
@@ -261,11 +205,7 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
             loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
-            optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            comm += dist.all_reduce_grads(agent)
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
+            comm += step(loss)[1]
             kls.append(stats["approx_kl"])
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
@@ -275,23 +215,22 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict[str, 
         # ranks must agree, or they would step different counts or rates
         kl = dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item()
         if args.kl_threshold is not None:
-            lr = adaptive_lr(optimizer.param_groups[0]["lr"], kl, args.kl_threshold)
-            optimizer.param_groups[0]["lr"] = lr
+            step.lr = adaptive_lr(step.lr, kl, args.kl_threshold)
         if args.target_kl is not None and kl > args.target_kl:
             break
     return {k: float(v) / updates for k, v in sums.items()}, comm
 
 
 def main() -> None:
-    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
-    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
+    run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
     if batch_per_rank % args.num_minibatches:
         dist.fail(f"batch per rank (--num-envs x --num-steps = {batch_per_rank}) is not divisible "
                   f"by --num-minibatches {args.num_minibatches}")
 
-    # ---- set-up: environments, run directory, model, optimizer, resume ----
-    device = world.device
+    # ---- set-up: environments, model, optimizer, resume ----
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
                                     episodic_life=args.episodic_life,
@@ -299,52 +238,38 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    run_dir, state = runs.prepare_run(args, "ppo_multigpu", world)
-
-    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last, args.activation,
                   args.normalize_input, args.normalize_value).to(device)
     optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=agent, optimizer=optimizer)  # or 0
-    dist.broadcast_params(agent)
+    global_step = run.restore(model=agent)  # or 0
+    step = grad_step.make(agent, optimizer, run, asynchronous=False,
+                          max_grad_norm=args.max_grad_norm)
 
     global_batch = batch_per_rank * world.world_size
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
                       clip_rewards=args.clip_rewards)
-    step = gpu.compiled(agent, args.compile)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
-    stop = signals.StopRequest(args)
+    sample = gpu.compiled(agent, args.compile)
+    run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,
+              checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict()},
+              policy=lambda obs: Categorical(logits=agent(obs)[0]).sample())  # evaluation
 
-    def save():
-        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                                "logger": logger.state(), "env_id": args.env_id,
-                                "script": "ppo_multigpu"})
-
-    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
-        return evaluation.evaluate(lambda obs: Categorical(logits=agent(obs)[0]).sample(),
-                                   eval_env, args, world, global_step)
-
-    saved_at, last_eval = global_step, None
-
-    stopped = False  # by a signal: no final evaluation, the job must end quickly
     while global_step < args.total_timesteps:
         # The schedule follows the global step, so a resume with other ranks or batches goes on
         # where it stopped.
         if args.kl_threshold is None:  # else ppo_update adapts it, kept in the optimizer's state
-            optimizer.param_groups[0]["lr"] = args.learning_rate * (
+            step.lr = args.learning_rate * (
                 max(0.0, 1.0 - global_step / args.total_timesteps) if args.anneal_lr else 1.0)
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
-        rollout = sampler.collect(lambda obs: act(step, obs), value_fn=lambda o: agent(o)[1])
+        rollout = sampler.collect(lambda obs: act(sample, obs), value_fn=lambda o: agent(o)[1])
         global_step += global_batch
 
         # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----
-        with phases("learn"):
+        with run.phases("learn"):
             with torch.no_grad():
                 next_value = agent(sampler.next_obs)[1]
                 advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
@@ -357,41 +282,17 @@ def main() -> None:
                      "returns": (advantages + rollout["value"]).flatten()}
             # rl_games' order: the statistics take in the batch before the epochs learn from it
             agent.update_norms(batch["obs"], batch["returns"])
-            stats, comm = ppo_update(agent, optimizer, batch, args)
-        phases.add("comm", comm, taken_from="learn")
+            stats, comm = ppo_update(agent, step, batch, args)
+        run.phases.add("comm", comm, taken_from="learn")
 
-        # ---- evaluation, logging and checkpoints ----
-        if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
-            with phases("eval"):
-                last_eval = logger.eval(global_step, evaluate())
+        # ---- logging, evaluation, checkpoints, stop ----
         y, y_pred = batch["returns"], batch["value"]
-        explained_var = 1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)
-        logger.log(global_step,
-                   {**{f"losses/{k}": v for k, v in stats.items()},
-                    "losses/explained_variance": explained_var.item(),
-                    "charts/learning_rate": optimizer.param_groups[0]["lr"]},
-                   sampler.pop_episodes(), phases.pop())
-        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
-            save()
-            saved_at = global_step
-        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
+        run.record({**stats, "explained_variance":
+                    1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)})
+        if run.end_iteration(global_step, {"charts/learning_rate": step.lr},
+                             sampler.pop_episodes):
             break
-        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
-            save()
-            saved_at = global_step
-
-    if saved_at != global_step:
-        path = save()
-        if world.is_main:
-            print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and not stopped and (last_eval is None
-                                     or last_eval["global_step"] != global_step):
-        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    logger.summary(global_step, last_eval)
-    logger.close()
-    for e in env_groups + ([eval_env] if eval_env else []):
-        e.close()
-    dist.finish()
+    run.close(global_step, *env_groups, eval_env)
 
 
 if __name__ == "__main__":

@@ -184,20 +184,28 @@ def restore(state: dict | None, world: dist.World, **objects) -> int:
     launch's hyperparameters (lr, eps...): only their statistics return."""
     if state is None:
         return 0
-    try:
-        for name, obj in objects.items():
-            launch = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
-            launch = [{k: v for k, v in g.items() if k != "params"} for g in launch]
-            obj.load_state_dict(state[name])
-            for group, flags in zip(obj.param_groups if launch else [], launch):
-                group.update(flags)
-    except (KeyError, RuntimeError, ValueError) as e:
-        dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
+    for name, obj in objects.items():
+        load_into(obj, state.get(name))
     restore_rng(state, world)
     if world.is_main:  # the fingerprint ties a log to the weights it continued from
         print(f"resumed from {state.get('resumed_from')} at step {state['global_step']:,} "
               f"(model {fingerprint(objects['model'].state_dict())})", flush=True)
     return state["global_step"]
+
+
+def load_into(obj, state_dict: dict | None) -> None:
+    """`obj.load_state_dict(state_dict)`, or one line and exit 2 when it does not fit. An optimizer
+    keeps this launch's hyperparameters (lr, eps...): only its statistics return."""
+    try:
+        if state_dict is None:
+            raise KeyError("no entry for it")
+        launch = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
+        launch = [{k: v for k, v in g.items() if k != "params"} for g in launch]
+        obj.load_state_dict(state_dict)
+        for group, flags in zip(obj.param_groups if launch else [], launch):
+            group.update(flags)
+    except (KeyError, RuntimeError, ValueError) as e:
+        dist.fail(f"checkpoint does not fit this model: {str(e).splitlines()[0]}")
 
 
 def fingerprint(state_dict: dict) -> str:

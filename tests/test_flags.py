@@ -23,9 +23,19 @@ ALGORITHM_OWN = {
 
 
 def _flags(script: str) -> dict[str, tuple[str, str, str]]:
-    """{field: (type, default, help)} of a script's Args, read from its source."""
+    """{field: (type, default, help)} of a script's Args, read from its source, with those of the
+    shared base class it extends (common/run.py's RunArgs)."""
     tree = ast.parse((ROOT / "algos" / f"{script}.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    out = {}
+    if any(ast.unparse(b) == "RunArgs" for b in cls.bases):
+        base = ast.parse((ROOT / "common" / "run.py").read_text())
+        out = _fields(next(n for n in base.body if isinstance(n, ast.ClassDef)
+                           and n.name == "RunArgs"))
+    return {**out, **_fields(cls)}
+
+
+def _fields(cls: ast.ClassDef) -> dict[str, tuple[str, str, str]]:
     out = {}
     for field, doc in zip(cls.body, cls.body[1:]):
         if isinstance(field, ast.AnnAssign):

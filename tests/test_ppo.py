@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from common.grad_step import AllReduceStep
 from tests.conftest import (assert_stopped_with_checkpoint, expect_error, load_algo, read_summary,
                             run_script, run_two_ranks, scalar_tags, start_training)
 
@@ -30,7 +31,7 @@ def _update(batch, out_path=None):
     agent = ppo.Agent(6)
     dist.broadcast_params(agent)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    ppo.ppo_update(agent, opt, batch, args)
+    ppo.ppo_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), batch, args)
     params = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
     if out_path:
         torch.save(params, f"{out_path}.{world.rank}")
@@ -252,6 +253,6 @@ def test_kl_threshold_adapts_the_rate_once_per_epoch(threshold, factor):
     torch.manual_seed(0)
     agent = ppo.Agent(6)
     opt = torch.optim.Adam(agent.parameters(), lr=1e-4, eps=1e-5)
-    ppo.ppo_update(agent, opt, _batch(32, 6), args)
+    ppo.ppo_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), _batch(32, 6), args)
     dist.cleanup()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-4 * factor ** 3)

@@ -1,0 +1,138 @@
+"""One optimizer step on a loss, synchronous or asynchronous: the choice is made once, here.
+
+An update function calls `step(loss)` and never asks which kind it holds (paper Sec. 3.2):
+- `AllReduceStep`: every rank's gradient is averaged in one flat all-reduce (common/dist.py),
+  then clipped and stepped, so every rank holds the same parameters.
+- `CentralStep` (--asynchronous; APPO always): the rank's own clipped gradient goes into the
+  machine's central optimizer (common/central_optim.py), whose new parameters, other ranks'
+  steps included, the rank then pulls. No rank waits for another's gradient.
+Both count the steps schedules follow, checkpoint their optimizer state and close the same way.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from common import checkpoint, dist
+from common.central_optim import CentralOptimizer, shared
+
+
+class AllReduceStep:
+    """Average gradients over ranks, clip them to `max_grad_norm` (0: no clip), step."""
+
+    independent = False  # ranks meet inside every step: all take the same updates
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float):
+        self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.optimizer.param_groups[0]["lr"] = value
+
+    def __call__(self, loss: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        """Backward and step; returns (gradient norm before clipping or None, seconds
+        communicating). Nothing here waits for the device."""
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        comm = dist.all_reduce_grads(self.model)
+        self._clip()
+        self.optimizer.step()
+        return self._norm, comm
+
+    def _clip(self) -> None:
+        self._norm = (nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                      if self.max_grad_norm > 0 else None)
+
+    def count(self, rank_steps: int, global_step: int) -> int:
+        """The step schedules follow after this rank's `rank_steps` new ones: the global step."""
+        return global_step
+
+    def refresh(self) -> None:
+        """The model's parameters are everyone's newest already."""
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def summary(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class CentralStep(AllReduceStep):
+    """Clip this rank's own gradient, apply it to the central copy chunk by chunk (whichever chunk
+    is free first), pull the result; communication is the wait for chunks other ranks held."""
+
+    independent = True  # ranks meet only at the logging cadence
+
+    def __init__(self, model: nn.Module, central: CentralOptimizer, lr: float,
+                 max_grad_norm: float):
+        self.model, self.central, self.max_grad_norm = model, central, max_grad_norm
+        self._lr = lr
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = value
+
+    def __call__(self, loss: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        self.model.zero_grad(set_to_none=False)
+        loss.backward()
+        self._clip()
+        waited = self.central.step(self._lr)
+        self.central.pull()
+        return self._norm, waited
+
+    def count(self, rank_steps: int, global_step: int) -> int:
+        """The machine's step count, other ranks' steps included. Ranks meet only to log, so
+        a dead one is looked for here, each iteration."""
+        self.central.check_peers()
+        return self.central.add_steps(rank_steps)
+
+    def refresh(self) -> None:
+        """Take the central parameters: other ranks' steps since this rank's last one."""
+        self.central.pull()
+
+    def state_dict(self) -> dict:
+        """Called by all ranks: once each is between updates, the central copy is whole."""
+        dist.all_gather(None)
+        self.central.pull()
+        return self.central.state_dict()
+
+    def summary(self) -> dict:
+        """The machine's step count and how many updates every chunk took."""
+        return {"central_step": self.central.add_steps(0),
+                "central_updates": int(self.central.steps[0])}
+
+    def close(self) -> None:
+        self.central.close()
+
+
+def make(model: nn.Module, optimizer: torch.optim.Optimizer | None, run, asynchronous: bool,
+         max_grad_norm: float, num_chunks: int = 3, **rule) -> AllReduceStep:
+    """The run's step, after `run.restore`: the all-reduced one (`optimizer` takes the checkpoint's
+    statistics), or the central one (rank 0 writes the central state from the model and the
+    checkpoint's statistics, the others attach). `rule`: the central update's (CentralOptimizer:
+    rule="adam" or "rmsprop", eps, alpha); `optimizer`, when given, is where the rate starts."""
+    state = run.state
+    if not asynchronous:
+        if state is not None:
+            checkpoint.load_into(optimizer, state["optimizer"])
+        return AllReduceStep(model, optimizer, max_grad_norm)
+    central = shared(partial(CentralOptimizer, model.parameters(), num_chunks,
+                             global_step=run.start_step, **rule),
+                     run.world, state and state["optimizer"])
+    central.pull()
+    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
+    return CentralStep(model, central, lr, max_grad_norm)
