@@ -60,75 +60,18 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
-from common import gpu, runs, signals  # noqa: E402
-from common.central_optim import CentralOptimizer  # noqa: E402
+from common import central_optim, cli, dist, envs, evaluation, gpu, grad_step  # noqa: E402
 from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.run import Run, RunArgs  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 
 
 @dataclass
-class Args:
-    env_id: str = "Pong-v5"
-    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
-    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
-    seed: int = 1
-    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
+class Args(RunArgs):  # the flags every script shares: common/run.py
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
     num_envs: int = 16
     """environments per rank (paper: 16 per GPU for A2C)"""
-    cuda: bool = True
-    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
-    compile: bool = False
-    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
-    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
-    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
-    channels_last: Literal["auto", "on", "off"] = "auto"
-    """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
-    faster there, docs/results.md), not on a GPU (not yet measured there)"""
-    run_dir: str | None = None
-    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
-    alternate: bool = False
-    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
-    checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
-    checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
-    resume: str | None = None
-    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
-    --run-dir's newest checkpoint if it has one, else start the run there"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
-    keeps all"""
-    collective_timeout: float = 600.0
-    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
-    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
-    episodic_life: bool = True
-    """end the learner's episode at each life loss, the game going on (paper: on)"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
-    clip_rewards: bool = True
-    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
-    report the raw score"""
-    fire_reset: bool = True
-    """press FIRE at every game start and after every lost life, in games that have it (Breakout
-    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
-    eval_interval: int = 250_000
-    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
-    the final one at the end of the run"""
-    eval_episodes: int = 8
-    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
-    eval_envs: int = 4
-    """evaluation environments per rank, separate from the training ones"""
-    eval_max_steps: int = 4_500
-    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
-    5-minute cap of Machado et al. 2018)"""
 
     num_steps: int = 5
     """steps per environment per rollout (A3C paper's t_max, baselines' a2c, the paper's code)"""
@@ -256,33 +199,24 @@ def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Ten
                   "entropy": entropy.detach(), "explained_variance": explained_var}
 
 
-def a2c_update(agent: Agent, optimizer: torch.optim.Optimizer, rollout: dict[str, torch.Tensor],
-               next_obs: torch.Tensor, args: Args, central: CentralOptimizer | None = None
-               ) -> tuple[dict[str, torch.Tensor], float]:
+def a2c_update(agent: Agent, step: grad_step.AllReduceStep, rollout: dict[str, torch.Tensor],
+               next_obs: torch.Tensor, args: Args) -> tuple[dict[str, torch.Tensor], float]:
     """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
 
     A2C: the gradient is averaged over ranks before clipping and the optimizer step, so with R
-    ranks the step sees R x T x B samples and every rank stays identical. A3C (`central`): this
-    rank's own clipped gradient goes into the central optimizer, whose new parameters it pulls;
-    comm is then the wait for chunks other ranks held. Nothing here waits for the device (no
-    .item()): the stats stay tensors until the logging cadence reads them.
+    ranks the step sees R x T x B samples and every rank stays identical. A3C (a central `step`):
+    this rank's own clipped gradient goes into the central optimizer, whose new parameters it
+    pulls (common/grad_step.py). Nothing here waits for the device (no .item()).
     """
     loss, stats = gpu.compiled(a2c_loss, args.compile)(agent, rollout, next_obs, args)
-    optimizer.zero_grad(set_to_none=False)
-    loss.backward()
-    comm = 0.0 if central else dist.all_reduce_grads(agent)
-    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-    if central is None:
-        optimizer.step()
-    else:  # chunk by chunk, whichever is free first, then the result (other ranks' steps too)
-        comm = central.step(optimizer.param_groups[0]["lr"])
-        central.pull()
+    grad_norm, comm = step(loss)
     return {**stats, "grad_norm": grad_norm}, comm
 
 
 def main() -> None:
-    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
-    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
+    run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
     if args.asynchronous:
         central_optim.check(args, world)
@@ -290,8 +224,7 @@ def main() -> None:
         dist.fail("--lr-scaling scales the step of the synchronous global batch; with "
                   "--asynchronous each rank steps on its own batch: leave it at none")
 
-    # ---- set-up: environments, run directory, model, optimizer, resume ----
-    device = world.device
+    # ---- set-up: environments, model, optimizer (all-reduced or central), resume ----
     try:
         env_groups = envs.make_envs(args.env_id, args.num_envs, groups=2 if args.alternate else 1,
                                     episodic_life=args.episodic_life,
@@ -299,125 +232,58 @@ def main() -> None:
         eval_env = evaluation.make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
-    run_dir, state = runs.prepare_run(args, "a2c_multigpu", world,
-                                           check=partial(central_optim.refusal, args))
-
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
-    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last).to(device)
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=agent, **(  # or 0
-        {} if args.asynchronous else {"optimizer": optimizer}))
-    dist.broadcast_params(agent)
-    # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest(args)
-    central = None
-    if args.asynchronous:  # A3C: rank 0 writes the central state, the others attach to it
-        rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
-                dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
-        central = central_optim.shared(partial(CentralOptimizer, agent.parameters(),
-                                               args.num_chunks, global_step=global_step, **rule),
-                                       world, state and state["optimizer"])
-        central.pull()
-    central_step = global_step  # A3C: the machine's step count at this rank's last rollout
+    global_step = run.restore(partial(central_optim.refusal, args), model=agent)  # or 0
+    rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
+            dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
+    step = grad_step.make(agent, optimizer, run, args.asynchronous, args.max_grad_norm,
+                          args.num_chunks, **rule)
+    schedule_step = global_step  # A3C: the machine's step count at this rank's last rollout
 
     global_batch = batch_per_rank * world.world_size
-    # An iteration is only 80 steps per rank: logging (an all-gather and TensorBoard writes) and
-    # the stop check (an all-reduce) run every log_every iterations, about 2048 steps per rank.
-    # It depends on this launch's iteration count alone, so all ranks reach them together.
-    log_every = max(1, 2048 // batch_per_rank)
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
-    logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device, sampler)  # seconds per phase between log calls
-
-    step = gpu.compiled(agent, args.compile)
+    sample = gpu.compiled(agent, args.compile)
 
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
-        return Categorical(logits=step(obs)[0]).sample(), {}
+        return Categorical(logits=sample(obs)[0]).sample(), {}
 
-    def save():
-        if central is not None:  # once every rank is between updates, the central copy is whole
-            dist.all_gather(None)
-            central.pull()
-        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": agent.state_dict(), "logger": logger.state(),
-                                "optimizer": (central or optimizer).state_dict(),
-                                "asynchronous": args.asynchronous, "env_id": args.env_id,
-                                "script": "a2c_multigpu"})
+    # An iteration is only 80 steps per rank: the ranks meet to log (an all-gather, TensorBoard
+    # writes, the stop check) every ~2048 steps per rank, after this launch's iteration count.
+    run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,
+              log_every=max(1, 2048 // batch_per_rank), policy=lambda obs: policy(obs)[0],
+              checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
+                                  "asynchronous": args.asynchronous})
 
-    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
-        return evaluation.evaluate(lambda obs: policy(obs)[0], eval_env, args, world, global_step)
-
-    saved_at, logged_at, last_eval = global_step, global_step, None
-
-    stopped = False  # by a signal: no final evaluation, the job must end quickly
-    stat_sums, stat_count = {}, 0  # device tensors, summed over the iterations between logs
-    iteration = 0
     while global_step < args.total_timesteps:
-        iteration += 1
-        if central is not None:  # the ranks meet only at the logging cadence: look each time
-            central.check_peers()
         # The schedule follows the global step, so a resume with other ranks or batches goes on
-        # where it stopped. A3C: the central count, other ranks' steps included. Every rank runs
-        # the same iterations between the meetings (logging, checkpoints), so `global_step`, all
-        # ranks' steps as A2C counts them, is the central count whenever the ranks meet.
-        lr = base_lr * (max(0.0, 1.0 - central_step / args.total_timesteps)
-                        if args.anneal_lr else 1.0)
-        optimizer.param_groups[0]["lr"] = lr
+        # where it stopped; A3C: the machine's count, other ranks' steps included (it equals
+        # `global_step` whenever the ranks meet: each runs the same iterations in between).
+        step.lr = base_lr * (max(0.0, 1.0 - schedule_step / args.total_timesteps)
+                             if args.anneal_lr else 1.0)
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
         rollout = sampler.collect(policy, value_fn=lambda o: agent(o)[1])
         global_step += global_batch
-        central_step = central.add_steps(batch_per_rank) if central else global_step
+        schedule_step = step.count(batch_per_rank, global_step)
 
         # ---- learning: n-step returns on this rank's rollout, one step on averaged gradients ----
-        with phases("learn"):
-            stats, seconds = a2c_update(agent, optimizer, rollout, sampler.next_obs, args, central)
-        phases.add("comm", seconds, taken_from="learn")
-        for k, v in stats.items():
-            stat_sums[k] = stat_sums.get(k, 0.0) + v
-        stat_count += 1
+        with run.phases("learn"):
+            stats, seconds = a2c_update(agent, step, rollout, sampler.next_obs, args)
+        run.phases.add("comm", seconds, taken_from="learn")
 
-        # ---- evaluation, logging and checkpoints ----
-        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
-            save()
-            saved_at = global_step
-        if iteration % log_every and global_step < args.total_timesteps:
-            continue  # not a logging iteration: keep accumulating stats and phase times
-        if eval_env and crossed(args.eval_interval, global_step, logged_at):
-            with phases("eval"):
-                last_eval = logger.eval(global_step, evaluate())
-        means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one host sync
-        logger.log(global_step,
-                   {**{f"losses/{k}": m for k, m in zip(stat_sums, means)},
-                    "charts/learning_rate": lr},
-                   sampler.pop_episodes(), phases.pop())
-        logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
+        # ---- logging, evaluation, checkpoints, stop ----
+        run.record(stats)
+        if run.end_iteration(global_step, {"charts/learning_rate": step.lr},
+                             sampler.pop_episodes):
             break
-        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
-            save()
-            saved_at = global_step
-
-    if saved_at != global_step:
-        path = save()
-        if world.is_main:
-            print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and not stopped and (last_eval is None
-                                     or last_eval["global_step"] != global_step):
-        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    logger.summary(global_step, last_eval,
-                   **({"central_step": central.add_steps(0)} if central else {}))
-    logger.close()
-    if central is not None:
-        central.close()
-    for e in env_groups + ([eval_env] if eval_env else []):
-        e.close()
-    dist.finish()
+    run.close(global_step, *env_groups, eval_env, step, **step.summary())
 
 
 if __name__ == "__main__":

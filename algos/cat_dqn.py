@@ -69,56 +69,11 @@ from common.logger import Logger, PhaseClock, crossed  # noqa: E402
 
 
 @dataclass
-class Args:
-    env_id: str = "Pong-v5"
-    """Atari game as Gymnasium spells it (Pong-v5, ALE/Pong-v5, PongNoFrameskip-v4), or any
-    Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
-    seed: int = 1
-    """seed for parameters, exploration and environments (each rank and environment gets its own)"""
+class Args(RunArgs):  # the flags every script shares: common/run.py
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
     """environments per rank; 16 x --num-steps 16 = 256 steps per iteration, one update at 2048"""
-    cuda: bool = True
-    """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
-    compile: bool = False
-    """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
-    a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
-    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
-    channels_last: Literal["auto", "on", "off"] = "auto"
-    """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
-    faster there, docs/results.md), not on a GPU (not yet measured there)"""
-    run_dir: str | None = None
-    """output directory; default runs/<env>__<script>__<seed>__<unix time>"""
-    alternate: bool = False
-    """alternating sampler: two env groups, one simulates while the other's actions are inferred"""
-    checkpoint_interval: int = 0
-    """global steps between checkpoints; 0 means none by steps (--checkpoint-minutes still saves)"""
-    checkpoint_minutes: float = 10.0
-    """wall-clock minutes between checkpoints, the most a crash or a lost machine costs; 0: none"""
-    resume: str | None = None
-    """checkpoint file or run directory to continue, up to --total-timesteps; 'auto': continue
-    --run-dir's newest checkpoint if it has one, else start the run there"""
-    episodic_life: bool = True
-    """end the learner's episode at each life loss, the game going on (paper: on)"""
-    sticky_actions: bool = False
-    """repeat the previous action with probability 0.25, as ALE v5 (paper: off)"""
-    clip_rewards: bool = True
-    """learn from sign(reward) (Nature DQN; the paper, all algorithms); episode statistics always
-    report the raw score"""
-    fire_reset: bool = True
-    """press FIRE at every game start and after every lost life, in games that have it (Breakout
-    serves the ball only then; common/envs.py); --no-fire-reset leaves it to the agent"""
-    keep_checkpoints: int = 3
-    """newest checkpoints to keep (older ones are deleted once a new one is safely written); 0
-    keeps all"""
-    collective_timeout: float = 600.0
-    """seconds a rank waits for the others in a collective before it gives up: a hung or dead
-    rank then ends the run (and `torchrun --max-restarts` restarts it) instead of hanging it"""
 
     preset: Literal["c51-nature", "catdqn-2k"] = "catdqn-2k"
     """documented configuration that sets the defaults below (module docstring); flags win"""
@@ -184,18 +139,8 @@ class Args:
     """linear schedule's final epsilon (C51: 0.01)"""
     eps_decay_steps: int = 250_000
     """global steps of the linear decay (Nature, C51: 1M frames)"""
-    eval_interval: int = 250_000
-    """global steps between evaluations on separate environments (common/evaluation.py); 0: only
-    the final one at the end of the run"""
     eval_epsilon: float = 0.001
     """exploration during evaluation (Rainbow: 0.001; Nature: 0.05)"""
-    eval_envs: int = 4
-    """evaluation environments per rank, separate from the training ones"""
-    eval_episodes: int = 8
-    """games each rank plays per evaluation, cut ones included; 0 turns evaluation off"""
-    eval_max_steps: int = 4_500
-    """steps after which an evaluation game is cut and scored as it stands (18,000 frames, the
-    5-minute cap of Machado et al. 2018)"""
 
 
 PRESETS = {  # sources in the module docstring

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from common.grad_step import AllReduceStep
 from tests.conftest import (assert_stopped_with_checkpoint, expect_error, load_algo, read_summary,
                             run_script, run_two_ranks, scalar_tags, start_training)
 from tests.test_appo import _family, _left, _shm, _shm_left
@@ -85,7 +86,7 @@ def _update(rollout, next_obs, optimizer_name, out_path=None):
     agent = a2c.Agent(6)
     dist.broadcast_params(agent)
     opt = a2c.make_optimizer(agent, args, lr=1e-3)
-    a2c.a2c_update(agent, opt, rollout, next_obs, args)
+    a2c.a2c_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), rollout, next_obs, args)
     params = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
     if out_path:
         torch.save(params, f"{out_path}.{world.rank}")

@@ -32,6 +32,7 @@ from benchmarks.throughput_parts.cat_dqn import synthetic_batch
 from benchmarks.throughput_parts.measure import (fmt, load_algo, random_rollout, run_e2e, sync,
                                                  table, timed)
 from common import gpu
+from common.grad_step import AllReduceStep, CentralStep
 
 STEM = "throughput-modes"
 PARTS = ("modes",)
@@ -90,32 +91,34 @@ def learner(name: str, mode: dict, device: torch.device, seed: int):
                        "terminated": flat["value"][:T * B].view(T, B) > 2,
                        "truncated": torch.zeros(T, B, dtype=torch.bool, device=device),
                        "final_values": flat["value"][:T * B].view(T, B)}
-            optimizer = algo.make_optimizer(agent, args, args.learning_rate)
-            return (lambda: algo.a2c_update(agent, optimizer, rollout, flat["obs"][T * B:],
-                                            args)), 1, lambda: None
+            step = AllReduceStep(agent, algo.make_optimizer(agent, args, args.learning_rate),
+                                 args.max_grad_norm)
+            return (lambda: algo.a2c_update(agent, step, rollout, flat["obs"][T * B:], args)), \
+                1, lambda: None
         batch = random_rollout(args.num_envs * args.num_steps, 6, device)
         steps = args.update_epochs * args.num_minibatches
         if name == "ppo":
-            optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-            return lambda: algo.ppo_update(agent, optimizer, batch, args), steps, lambda: None
+            step = AllReduceStep(agent, gpu.adam(agent.parameters(), lr=args.learning_rate,
+                                                 eps=1e-5), args.max_grad_norm)
+            return lambda: algo.ppo_update(agent, step, batch, args), steps, lambda: None
         from common.central_optim import CentralOptimizer
         central = CentralOptimizer(agent.parameters(), args.num_chunks, eps=1e-5)
         central.unlink()
         batch["prox_logprob"], batch["prox_value"] = batch["logprob"], batch["value"]
-        return (lambda: algo.appo_update(agent, central, batch, args, args.learning_rate),
-                steps, central.close)
+        step = CentralStep(agent, central, args.learning_rate, args.max_grad_norm)
+        return lambda: algo.appo_update(agent, step, batch, args), steps, central.close
     args = dataclasses.replace(algo.Args(), **mode)
     batch = synthetic_batch(args.batch_size, 6, device, seed)
     if name == "dqn":
         model, target = (algo.QNetwork(6, args.dueling, args.precision, args.channels_last)
                          .to(device) for _ in range(2))
-        optimizer = algo.make_optimizer(model, args)
-        return lambda: algo.dqn_update(model, target, optimizer, batch, args), 1, lambda: None
+        step = AllReduceStep(model, algo.make_optimizer(model, args), args.max_grad_norm)
+        return lambda: algo.dqn_update(model, target, step, batch, args), 1, lambda: None
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     model, target = (algo.C51Network(6, support, args.dueling, args.precision,
                                       args.channels_last).to(device) for _ in range(2))
-    optimizer = algo.make_optimizer(model, args)
-    return lambda: algo.c51_update(model, target, optimizer, batch, args), 1, lambda: None
+    step = AllReduceStep(model, algo.make_optimizer(model, args), args.max_grad_norm)
+    return lambda: algo.c51_update(model, target, step, batch, args), 1, lambda: None
 
 
 def bench_learner(name: str, mode_name: str, a, device: torch.device) -> dict:
