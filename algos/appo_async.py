@@ -42,13 +42,12 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, envs, evaluation  # noqa: E402
-from common import async_sampler, gpu, runs, signals  # noqa: E402
+from common import async_sampler, central_optim, cli, dist, envs, evaluation  # noqa: E402
+from common import gpu, grad_step  # noqa: E402
 from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
-from common.central_optim import CentralOptimizer  # noqa: E402
 from common.gpu import Upload  # noqa: E402
 from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.run import Run, RunArgs  # noqa: E402
 
 
 @dataclass
@@ -207,8 +206,8 @@ def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
                       args.imp_samp_max or math.inf)).float().mean()}
 
 
-def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.Tensor],
-                args: Args, lr: float) -> tuple[dict[str, float], float]:
+def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torch.Tensor],
+                args: Args) -> tuple[dict[str, float], float]:
     """PPO's epochs over this rank's flat batch, each minibatch gradient applied to the central
     parameters; returns (stats, seconds waiting for chunks other ranks held).
 
@@ -233,11 +232,7 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
             loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
-            agent.zero_grad(set_to_none=False)
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            waited += central.step(lr)  # chunk by chunk, whichever chunk is free first
-            central.pull()  # the new central parameters, other ranks' steps included
+            waited += step(loss)[1]  # the central Adam step, then its parameters
             kls.append(stats["approx_kl"])
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
@@ -248,8 +243,9 @@ def appo_update(agent: Agent, central: CentralOptimizer, batch: dict[str, torch.
 
 
 def main() -> None:
-    # joins the process group; on resume, the run's flags; 0 would clip every gradient to 0
-    args, world = cli.parse_args(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
+    run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
+    args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
     central_optim.check(args, world, instead="use ppo_multigpu.py")
     if batch_per_rank % args.num_minibatches:
@@ -259,31 +255,24 @@ def main() -> None:
         dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
     cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
-    # ---- set-up: environments, run directory, model, central optimizer, sampler ----
-    device = world.device
-    env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
-                      groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
-                      sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
-                      num_threads=len(cores))
+    # ---- set-up: model, central optimizer, sampler process ----
     # The game checked here, in one line (the sampler process makes its own environments); the
     # evaluation games are played by the learner, between its updates.
     num_actions, eval_env = evaluation.probe(args)
-    run_dir, state = runs.prepare_run(args, "appo_async", world)
-
     torch.manual_seed(args.seed)  # same initial parameters on every rank
     agent = Agent(num_actions, args.precision, args.channels_last).to(device)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=agent)  # or 0
-
-    # Before the central state and the sampler exist: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest(args)
+    global_step = run.restore(model=agent)  # or 0
     # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
-    central = central_optim.shared(partial(CentralOptimizer, agent.parameters(), args.num_chunks,
-                                          eps=1e-5), world, state and state["optimizer"])
-    central.pull()
+    step = grad_step.make(agent, None, run, asynchronous=True, max_grad_norm=args.max_grad_norm,
+                          num_chunks=args.num_chunks, eps=1e-5)
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
+    env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
+                      groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
+                      sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
+                      num_threads=len(cores))
     sampler = AsyncSampler(partial(Agent, num_actions, args.precision, args.channels_last), act,
                            value, env_kwargs, args.num_steps,
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
@@ -291,32 +280,20 @@ def main() -> None:
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
                            seed=int(seeds[0]), cores=cores, threads=max(1, len(cores)),
                            compile=args.compile)
-    logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device)  # seconds per phase between log calls
     upload = Upload(device)
     version = 0  # updates this rank's learner has published to its sampler
-    lag_sum, lag_max, trained, dropped = state["lag"] if state else (0, 0, 0, 0)  # all ranks
+    lag = run.state["lag"] if run.state else [0, 0, 0, 0]  # sum, max, rollouts, dropped
+    run.begin(global_step, global_batch, eval_env=eval_env,
+              policy=lambda obs: act(agent, obs)[0],  # evaluation
+              checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
+                                  "lag": list(lag)})
 
-    def save():
-        central.pull()  # all ranks are between updates here: the central copy is complete
-        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": agent.state_dict(), "optimizer": central.state_dict(),
-                                "logger": logger.state(), "lag": [lag_sum, lag_max, trained,
-                                                                  dropped],
-                                "env_id": args.env_id, "script": "appo_async"})
-
-    def evaluate():  # whole games, actions sampled from the policy (common/evaluation.py)
-        return evaluation.evaluate(lambda obs: act(agent, obs)[0], eval_env, args, world,
-                                   global_step)
-
-    saved_at, last_eval = global_step, None
-    stopped = False  # by a signal: no final evaluation, the job must end quickly
     try:
         while global_step < args.total_timesteps:
             # The schedule follows the global step, so a resume with other ranks or batches goes
             # on where it stopped.
-            lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
-                                       if args.anneal_lr else 1.0)
+            step.lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
+                                            if args.anneal_lr else 1.0)
 
             # ---- sampling runs in the sampler process: take the next rollout fresh enough ----
             episodes, my_dropped = [], 0
@@ -324,10 +301,10 @@ def main() -> None:
                 i, info = sampler.get()
                 for k, key in (("env", "time_env"), ("inference", "time_inference"),
                                ("sampler_wait", "sampler_wait"), ("learner_wait", "learner_wait")):
-                    phases.add(k, info[key])  # the sampler's, overlapping learning
+                    run.phases.add(k, info[key])  # the sampler's, overlapping learning
                 episodes += info["episodes"]
-                lag = version - info["version"]
-                if lag <= args.max_policy_lag:
+                my_lag = version - info["version"]
+                if my_lag <= args.max_policy_lag:
                     break
                 my_dropped += 1  # too stale: its importance weights would be extreme
                 sampler.release(i)
@@ -335,7 +312,7 @@ def main() -> None:
             global_step += global_batch
 
             # ---- learning: GAE on the behaviour values, the proximal pass, PPO epochs ----
-            with phases("learn"):
+            with run.phases("learn"):
                 with torch.no_grad():
                     advantages = gae(rollout["rewards"], rollout["value"], rollout["terminated"],
                                      rollout["truncated"], rollout["final_values"],
@@ -345,64 +322,39 @@ def main() -> None:
                          "logprob": rollout["logprob"].flatten(),
                          "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
                          "returns": (advantages + rollout["value"]).flatten()}
-                central.pull()  # the proximal policy: other ranks' steps since our last included
+                step.refresh()  # the proximal policy: other ranks' steps since our last included
                 batch["prox_logprob"], batch["prox_value"] = proximal(
                     agent, batch["obs"], batch["actions"], batch_per_rank // args.num_minibatches)
-                stats, comm = appo_update(agent, central, batch, args, lr)
-                y, y_pred = batch["returns"], batch["value"]
-                explained_var = (1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)).item()
+                stats, comm = appo_update(agent, step, batch, args)
                 version += 1
                 sampler.publish(agent, version)
                 sampler.release(i)  # only now: on the CPU the batch is a view of buffer i
-            phases.add("comm", comm, taken_from="learn")
+            run.phases.add("comm", comm, taken_from="learn")
 
-            # ---- evaluation, logging and checkpoints: the once-per-rollout meeting of ranks ----
-            if eval_env and crossed(args.eval_interval, global_step, global_step - global_batch):
-                with phases("eval"):
-                    last_eval = logger.eval(global_step, evaluate())
-            with phases("comm"):  # waiting for slower ranks included
-                lags = dist.all_gather((lag, my_dropped))
-            lag_sum += sum(x for x, _ in lags)
-            lag_max = max(lag_max, *(x for x, _ in lags))
-            trained += len(lags)
-            dropped += sum(d for _, d in lags)
-            logger.log(global_step,
-                       {**{f"losses/{k}": v for k, v in stats.items()},
-                        "losses/explained_variance": explained_var,
-                        "charts/learning_rate": lr,
-                        "charts/policy_lag_mean": sum(x for x, _ in lags) / len(lags),
-                        "charts/policy_lag_max": max(x for x, _ in lags),
-                        "charts/dropped_rollouts": dropped},
-                       episodes, phases.pop())
-            if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
-                save()
-                saved_at = global_step
-            if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
+            # ---- logging, evaluation, checkpoints, stop: the once-per-rollout meeting ----
+            with run.phases("comm"):  # waiting for slower ranks included
+                lags = dist.all_gather((my_lag, my_dropped))
+            lag[0] += sum(x for x, _ in lags)
+            lag[1] = max(lag[1], *(x for x, _ in lags))
+            lag[2] += len(lags)
+            lag[3] += sum(d for _, d in lags)
+            y, y_pred = batch["returns"], batch["value"]
+            run.record({**stats, "explained_variance":
+                        1 - torch.var(y - y_pred) / torch.var(y).clamp(min=1e-8)})
+            if run.end_iteration(global_step, {
+                    "charts/learning_rate": step.lr,
+                    "charts/policy_lag_mean": sum(x for x, _ in lags) / len(lags),
+                    "charts/policy_lag_max": max(x for x, _ in lags),
+                    "charts/dropped_rollouts": lag[3]}, lambda: episodes):
                 break
-            if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
-                save()
-                saved_at = global_step
     except SamplerDied as e:
         print(f"error: rank {world.rank}: {e}; ending the run", file=sys.stderr, flush=True)
-        central.close()
+        step.close()
         dist.finish(1)  # leaves the group (NCCL peers fail at once) and kills the sampler
     finally:
         sampler.close()
-
-    if saved_at != global_step:
-        path = save()
-        if world.is_main:
-            print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and not stopped and (last_eval is None
-                                     or last_eval["global_step"] != global_step):
-        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    if eval_env:
-        eval_env.close()
-    logger.summary(global_step, last_eval, policy_lag_mean=lag_sum / max(trained, 1),
-                   policy_lag_max=lag_max, dropped_rollouts=dropped)
-    logger.close()
-    central.close()
-    dist.finish()
+    run.close(global_step, eval_env, step, policy_lag_mean=lag[0] / max(lag[2], 1),
+              policy_lag_max=lag[1], dropped_rollouts=lag[3])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common.central_optim import CentralOptimizer
+from common.grad_step import AllReduceStep, CentralStep
 from tests.conftest import (ROOT, assert_stopped_with_checkpoint, expect_error, load_algo,
                             read_summary, run_script, scalar_tags, start_training)
 
@@ -202,13 +203,15 @@ def test_gae_and_update_equal_ppo():
         agent = ppo.Agent(6)
         args = ppo.Args(update_epochs=2, num_minibatches=2)
         if update == "ppo":
-            ppo.ppo_update(agent, torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5), batch,
-                           args)
+            ppo.ppo_update(agent, AllReduceStep(agent, torch.optim.Adam(
+                agent.parameters(), lr=1e-3, eps=1e-5), args.max_grad_norm), batch, args)
         else:
             central = CentralOptimizer(agent.parameters(), 1, eps=1e-5)
             central.unlink()
-            stats, _ = appo.appo_update(agent, central, batch, appo.Args(update_epochs=2,
-                                                                         num_minibatches=2), 1e-3)
+            appo_args = appo.Args(update_epochs=2, num_minibatches=2)
+            stats, _ = appo.appo_update(agent, CentralStep(agent, central, 1e-3,
+                                                           appo_args.max_grad_norm),
+                                        batch, appo_args)
             assert set(stats) >= {"policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"}
         out.append(torch.nn.utils.parameters_to_vector(agent.parameters()).detach())
     torch.manual_seed(123)

@@ -91,6 +91,7 @@ def sampling_alone(appo, a, device: torch.device, num_actions: int) -> dict:
 def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:
     """Environment steps per second the learner consumes: APPO's update on a random rollout."""
     from common.central_optim import CentralOptimizer
+    from common.grad_step import CentralStep
 
     pargs = appo.Args(num_envs=a.num_envs, num_steps=a.num_steps)
     n = a.num_envs * a.num_steps
@@ -98,11 +99,12 @@ def learning_alone(appo, a, device: torch.device, num_actions: int) -> dict:
     agent = appo.Agent(num_actions).to(device)
     central = CentralOptimizer(agent.parameters(), pargs.num_chunks, eps=1e-5)
     central.unlink()
+    step = CentralStep(agent, central, 1e-4, pargs.max_grad_norm)
     batch = random_rollout(n, num_actions, device)
     def learn():  # what the learner does per rollout: the proximal pass, then the epochs
         batch["prox_logprob"], batch["prox_value"] = appo.proximal(
             agent, batch["obs"], batch["actions"], n // pargs.num_minibatches)
-        return appo.appo_update(agent, central, batch, pargs, 1e-4)
+        return appo.appo_update(agent, step, batch, pargs)
 
     r = timed(learn, n, a.seconds, device)
     central.close()
