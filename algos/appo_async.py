@@ -32,7 +32,6 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
 
 # torch's OpenMP threads spin after each parallel op by default, taking the emulators' cores
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

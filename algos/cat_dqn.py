@@ -61,11 +61,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, checkpoint, cli, dist, evaluation, runs, signals  # noqa: E402
-from common import gpu, replay_feed, replay_shard  # noqa: E402
+from common import async_sampler, cli, dist, evaluation, gpu, grad_step  # noqa: E402
+from common import replay_feed, replay_shard  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
-from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.run import Run, RunArgs  # noqa: E402
 
 
 @dataclass
@@ -236,7 +236,7 @@ def c51_loss(model: C51Network, target: C51Network, batch: dict[str, torch.Tenso
     return (batch["weights"] * ce).mean(), ce, log_p
 
 
-def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Optimizer,
+def c51_update(model: C51Network, target: C51Network, step: grad_step.AllReduceStep,
                batch: dict[str, torch.Tensor], args: Args):
     """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
 
@@ -246,12 +246,7 @@ def c51_update(model: C51Network, target: C51Network, optimizer: torch.optim.Opt
     is this minus the target's entropy).
     """
     loss, ce, log_p = gpu.compiled(c51_loss, args.compile)(model, target, batch, args)
-    optimizer.zero_grad(set_to_none=False)
-    loss.backward()
-    comm = dist.all_reduce_grads(model)
-    if args.max_grad_norm > 0:
-        nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
+    comm = step(loss)[1]
     q = (log_p.detach().exp() * model.support).sum(1)  # E[Z(s, a)] of the taken actions [N]
     return {"loss": loss.detach(), "q_values": q.mean()}, ce.detach(), comm
 
@@ -266,143 +261,85 @@ def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
+    run = Run(Args, presets=PRESETS)  # flags, the process group, the run to start or continue
+    args, world, device = run.args, run.world, run.device
     cli.check_q_learning(args)
     if not args.v_min < args.v_max:
         dist.fail(f"--v-min must be below --v-max, got [{args.v_min}, {args.v_max}]")
-
     cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
-    # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
-    device = world.device
+    # ---- set-up: model, optimizer, replay, resume ----
     num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
-    run_dir, state = runs.prepare_run(args, "cat_dqn", world)
-
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
-    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     model = C51Network(num_actions, support, args.dueling, args.precision,
                        args.channels_last).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=model, optimizer=optimizer,
-                                     target=target)  # or 0
+    global_step = run.restore(model=model, target=target)  # or 0
     if not torch.equal(model.support.cpu(), support):  # the atoms came from the checkpoint
         dist.fail(f"the checkpoint's support [{model.support[0]:g}, {model.support[-1]:g}] "
                   f"differs from --v-min {args.v_min:g} --v-max {args.v_max:g}: a run keeps "
                   "its atoms")
-    counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
-                "generated": 0}  # "generated": steps taken while learning was on
-    if state is not None:
-        counters.update(state["counters"])
-    else:
-        target.load_state_dict(model.state_dict())
-    dist.broadcast_params(model)
-    dist.broadcast_params(target)
-    replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
-    # Before the sampler process exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest(args)
+    step = grad_step.make(model, optimizer, run, asynchronous=False,
+                          max_grad_norm=args.max_grad_norm)
+    counters = replay_shard.counters(args, run.state)
+    replay = replay_shard.restore_or_refill(new_replay, run.state, run.run_dir, world, args,
+                                            counters)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
-    log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy on E[Z], one epsilon per environment column; stepped here or in a sampler
+    # process
     feed = replay_feed.ReplayFeed(args, world, model,
                                   partial(C51Network, num_actions, support, args.dueling,
                                           args.precision, args.channels_last),
                                   "q_values", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
-    logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device)  # seconds per phase between log calls
+    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
+    run.begin(global_step, global_batch, eval_env=eval_env,
+              log_every=max(1, 2048 // (args.num_steps * args.num_envs)),
+              policy=lambda obs: epsilon_greedy(model.q_values(obs), eval_eps[:len(obs)]),
+              checkpoint=lambda: {"model": model.state_dict(), "target": target.state_dict(),
+                                  "optimizer": step.state_dict(), "counters": dict(counters)},
+              rank_state=(lambda: {"replay": replay.state_dict()}) if args.save_replay else None)
 
-    def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
-        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "target": target.state_dict(), "counters": dict(counters),
-                                "logger": logger.state(), "env_id": args.env_id,
-                                "script": "cat_dqn"},
-                               rank_state={"replay": replay.state_dict()} if args.save_replay
-                               else None)
-
-    def evaluate():  # the same epsilon-greedy policy, at --eval-epsilon, on whole games
-        return evaluation.evaluate(lambda obs: epsilon_greedy(model.q_values(obs),
-                                                              eval_eps[:len(obs)]),
-                                   eval_env, args, world, global_step)
-
-    saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
-
-    stopped = False  # by a signal: no final evaluation, the job must end quickly
-    stat_sums, stat_count = {}, 0
     while global_step < args.total_timesteps:
-        iteration += 1
-
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
-        acted = feed.collect(eps, replay, phases)  # --async-sampling: earlier, with older eps
+        acted = feed.collect(eps, replay, run.phases)  # --async-sampling: earlier, older eps
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
         seconds = 0.0  # communication inside the updates
-        with phases("learn"):
+        with run.phases("learn"):
             if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
                 beta = args.priority_beta + (1 - args.priority_beta) * min(
                     1.0, global_step / args.total_timesteps)
-                due = replay_shard.updates_due(counters, args, global_batch, world.world_size)
-                for _ in range(due):
+                for _ in range(replay_shard.updates_due(counters, args, global_batch,
+                                                        world.world_size)):
                     batch = replay.sample(args.batch_size, beta, device)
-                    stats, ce, c = c51_update(model, target, optimizer, batch, args)
+                    stats, ce, c = c51_update(model, target, step, batch, args)
                     replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
                     seconds += c
-                    for k, v in stats.items():
-                        stat_sums[k] = stat_sums.get(k, 0.0) + v
-                    stat_count += 1
+                    run.record(stats)
             interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
             if global_step // interval > (global_step - global_batch) // interval:
                 target.load_state_dict(model.state_dict())
             feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
-        phases.add("comm", seconds, taken_from="learn")
+        run.phases.add("comm", seconds, taken_from="learn")
 
-        # ---- logging, evaluation and checkpoints ----
-        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
-            save()
-            saved_at = global_step
-        if iteration % log_every and global_step < args.total_timesteps:
-            continue  # not a logging iteration: keep accumulating stats and phase times
-        scalars = {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
-                   counters["updates"] * args.batch_size * world.world_size
-                   / max(counters["generated"], 1)}
-        if stat_count:
-            means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one sync
-            scalars.update({f"losses/{k}": m for k, m in zip(stat_sums, means)})
-        if eval_env and crossed(args.eval_interval, global_step, logged_at):
-            with phases("eval"):
-                last_eval = logger.eval(global_step, evaluate())
-        logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
-                   status=exploration_status(acted, counters["learn_from"], global_step),
-                   warmup_until=counters["learn_from"])
-        logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
+        # ---- logging, evaluation, checkpoints, stop ----
+        if run.end_iteration(
+                global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
+                                      replay_shard.ratio(counters, args, world.world_size)},
+                feed.pop_episodes, warmup_until=counters["learn_from"],
+                status=lambda: exploration_status(acted, counters["learn_from"], global_step)):
             break
-        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
-            save()
-            saved_at = global_step
-
-    if saved_at != global_step:
-        path = save()
-        if world.is_main:
-            print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and not stopped and (last_eval is None
-                                     or last_eval["global_step"] != global_step):
-        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    logger.summary(global_step, last_eval, updates=counters["updates"],
-                   replay_bytes_per_transition=replay.bytes_per_transition())
-    logger.close()
-    feed.close()
-    if eval_env:
-        eval_env.close()
-    dist.finish()
+    run.close(global_step, feed, eval_env, updates=counters["updates"],
+              replay_bytes_per_transition=replay.bytes_per_transition())
 
 
 if __name__ == "__main__":

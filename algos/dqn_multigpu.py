@@ -73,12 +73,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, checkpoint, cli, dist, evaluation, gpu  # noqa: E402
-from common import async_sampler, replay_feed, replay_shard, runs, signals  # noqa: E402
-from common.central_optim import CentralOptimizer  # noqa: E402
+from common import async_sampler, central_optim, cli, dist, evaluation, gpu, grad_step  # noqa: E402
+from common import replay_feed, replay_shard  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
-from common.logger import Logger, PhaseClock, crossed  # noqa: E402
+from common.run import Run, RunArgs  # noqa: E402
 
 
 @dataclass
@@ -215,26 +214,17 @@ def dqn_loss(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor], 
     return (batch["weights"] * F.smooth_l1_loss(q, y, reduction="none")).mean(), q, y
 
 
-def dqn_update(model: QNetwork, target: QNetwork, optimizer: torch.optim.Optimizer,
-               batch: dict[str, torch.Tensor], args: Args, central: CentralOptimizer | None = None):
+def dqn_update(model: QNetwork, target: QNetwork, step: grad_step.AllReduceStep,
+               batch: dict[str, torch.Tensor], args: Args):
     """One step on this rank's batch; returns (stats, |TD errors| [N], comm or wait seconds).
 
     The gradient of dqn_loss is averaged over ranks before clipping and the step, so R ranks on
     R batches take the step one process would take on their union, and every rank stays
-    identical. Asynchronous (`central`): this rank's own clipped gradient goes into the central
-    Adam, whose new parameters it pulls.
+    identical. Asynchronous (a central `step`): this rank's own clipped gradient goes into the
+    central Adam, whose new parameters it pulls (common/grad_step.py).
     """
     loss, q, y = gpu.compiled(dqn_loss, args.compile)(model, target, batch, args)
-    optimizer.zero_grad(set_to_none=False)
-    loss.backward()
-    comm = 0.0 if central else dist.all_reduce_grads(model)
-    if args.max_grad_norm > 0:
-        nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    if central is None:
-        optimizer.step()
-    else:
-        comm = central.step(args.learning_rate)
-        central.pull()
+    comm = step(loss)[1]
     return {"td_loss": loss.detach(), "q_values": q.detach().mean()}, (q - y).detach().abs(), comm
 
 
@@ -247,164 +237,90 @@ def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    args, world = cli.parse_args(Args, presets=PRESETS)  # joins the group; on resume, its flags
+    run = Run(Args, presets=PRESETS)  # flags, the process group, the run to start or continue
+    args, world, device = run.args, run.world, run.device
     cli.check_q_learning(args)
     if args.asynchronous:
         central_optim.check(args, world)
         if args.optimizer != "adam":
             dist.fail("--asynchronous steps with the central Adam: Nature's centered RMSProp has "
                       "no central form here; use --optimizer adam")
-
     cores = async_sampler.pin(args, world)  # the learner takes the other cores
 
-    # ---- set-up: environments, run directory, model, optimizer, replay, resume ----
-    device = world.device
+    # ---- set-up: model, optimizer (all-reduced or central), replay, resume ----
     num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
     new_replay = replay_shard.make(args, world)  # checks the size before anything is written
-    run_dir, state = runs.prepare_run(args, "dqn_multigpu", world,
-                                           check=partial(central_optim.refusal, args))
-
-    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast below too)
+    torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     model = QNetwork(num_actions, args.dueling, args.precision, args.channels_last).to(device)
     target = copy.deepcopy(model)
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = checkpoint.restore(state, world, model=model, target=target, **(  # or 0
-        {} if args.asynchronous else {"optimizer": optimizer}))
-    counters = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts,
-                "generated": 0}  # "generated": steps taken while learning was on
-    if state is not None:
-        counters.update(state["counters"])
-    else:
-        target.load_state_dict(model.state_dict())
-    dist.broadcast_params(model)
-    dist.broadcast_params(target)
-    replay = replay_shard.restore_or_refill(new_replay, state, run_dir, world, args, counters)
-    # Before the central state exists: from now on Ctrl-C or SIGTERM stops cleanly.
-    stop = signals.StopRequest(args)
-    central = None
-    if args.asynchronous:  # rank 0 writes the central state, the others attach to it
-        central = central_optim.shared(partial(CentralOptimizer, model.parameters(),
-                                               args.num_chunks, eps=args.adam_eps,
-                                               global_step=global_step),
-                                       world, state and state["optimizer"])
-        central.pull()
-    central_step = global_step  # asynchronous: the machine's step count at this rank's last rollout
+    global_step = run.restore(partial(central_optim.refusal, args), model=model, target=target)
+    step = grad_step.make(model, optimizer, run, asynchronous=args.asynchronous,
+                          max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
+                          eps=args.adam_eps)
+    counters = replay_shard.counters(args, run.state)
+    replay = replay_shard.restore_or_refill(new_replay, run.state, run.run_dir, world, args,
+                                            counters)
+    schedule_step = global_step  # asynchronous: the machine's step count at the last rollout
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
-    log_every = max(1, 2048 // (args.num_steps * args.num_envs))
     # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
     feed = replay_feed.ReplayFeed(args, world, model,
                                   partial(QNetwork, num_actions, args.dueling, args.precision,
                                           args.channels_last),
                                   "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
-    logger = Logger(run_dir, world, args, state, global_batch)
-    phases = PhaseClock(device)  # seconds per phase between log calls
+    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
+    run.begin(global_step, global_batch, eval_env=eval_env,
+              log_every=max(1, 2048 // (args.num_steps * args.num_envs)),
+              policy=lambda obs: epsilon_greedy(model(obs), eval_eps[:len(obs)]),  # evaluation
+              checkpoint=lambda: {"model": model.state_dict(), "target": target.state_dict(),
+                                  "optimizer": step.state_dict(), "counters": dict(counters),
+                                  "asynchronous": args.asynchronous},
+              rank_state=(lambda: {"replay": replay.state_dict()}) if args.save_replay else None)
 
-    def save():  # with --save-replay, every rank also writes its shard: step_N.rank<R>.pt
-        if central is not None:  # once every rank is between updates, the central copy is whole
-            dist.all_gather(None)
-            central.pull()
-        return checkpoint.save(run_dir, world, global_step, args.keep_checkpoints,
-                               {"model": model.state_dict(), "target": target.state_dict(),
-                                "optimizer": (central or optimizer).state_dict(),
-                                "asynchronous": args.asynchronous, "counters": dict(counters),
-                                "logger": logger.state(), "env_id": args.env_id,
-                                "script": "dqn_multigpu"},
-                               rank_state={"replay": replay.state_dict()} if args.save_replay
-                               else None)
-
-    def evaluate():  # the same epsilon-greedy policy, at --eval-epsilon, on whole games
-        return evaluation.evaluate(lambda obs: epsilon_greedy(model(obs), eval_eps[:len(obs)]),
-                                   eval_env, args, world, global_step)
-
-    saved_at, logged_at, iteration, last_eval = global_step, global_step, 0, None
-    stopped = False  # by a signal: no final evaluation, the job must end quickly
-    stat_sums, stat_count = {}, 0
     while global_step < args.total_timesteps:
-        iteration += 1
-        if central is not None:  # the ranks meet only at the logging cadence: look each time
-            central.check_peers()
-
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
-        eps = epsilons(args, central_step, world.rank, world.world_size).to(device)
-        acted = feed.collect(eps, replay, phases)  # --async-sampling: earlier, with older eps
+        eps = epsilons(args, schedule_step, world.rank, world.world_size).to(device)
+        acted = feed.collect(eps, replay, run.phases)  # --async-sampling: earlier, older eps
         global_step += global_batch
-        seen, central_step = central_step, (central.add_steps(global_batch // world.world_size)
-                                            if central else global_step)
+        seen, schedule_step = schedule_step, step.count(args.num_steps * args.num_envs,
+                                                        global_step)
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        # Asynchronous ranks meet only to log: one that got a signal skips its updates (no step
-        # is credited) to reach the meeting, where all stop together, within torchrun's 30 s grace.
         seconds = 0.0  # communication inside the updates
-        with phases("learn"):
+        with run.phases("learn"):
+            # Independent (asynchronous) ranks meet only to log: one that got a signal skips its
+            # updates (no step is credited) to reach the meeting within torchrun's 30 s grace.
             if global_step >= counters["learn_from"] and replay.num_valid() > 0 and not (
-                    central is not None and stop.signal):  # the same on all ranks if synchronous
+                    step.independent and run.stop_requested):  # the same on all ranks if not
                 beta = args.priority_beta + (1 - args.priority_beta) * min(
-                    1.0, central_step / args.total_timesteps)
-                due = replay_shard.updates_due(counters, args, global_batch, world.world_size)
-                for _ in range(due):
+                    1.0, schedule_step / args.total_timesteps)
+                for _ in range(replay_shard.updates_due(counters, args, global_batch,
+                                                        world.world_size)):
                     batch = replay.sample(args.batch_size, beta, device)
-                    stats, td_abs, c = dqn_update(model, target, optimizer, batch, args, central)
+                    stats, td_abs, c = dqn_update(model, target, step, batch, args)
                     replay.update_priorities(batch["indices"], td_abs)
                     seconds += c
-                    for k, v in stats.items():
-                        stat_sums[k] = stat_sums.get(k, 0.0) + v
-                    stat_count += 1
+                    run.record(stats)
             interval = args.target_update_interval  # in global steps (Nature: in updates)
-            if central_step // interval > seen // interval:  # asynchronous: each rank sees each once
-                if central is not None:  # the other ranks' updates too, even with none due here
-                    central.pull()
+            if schedule_step // interval > seen // interval:  # asynchronous: each rank sees each
+                step.refresh()  # asynchronous: the other ranks' updates too, even with none here
                 target.load_state_dict(model.state_dict())
             feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
-        phases.add("comm", seconds, taken_from="learn")
+        run.phases.add("comm", seconds, taken_from="learn")
 
-        # ---- logging, evaluation and checkpoints ----
-        if crossed(args.checkpoint_interval, global_step, global_step - global_batch):
-            save()
-            saved_at = global_step
-        if iteration % log_every and global_step < args.total_timesteps:
-            continue  # not a logging iteration: keep accumulating stats and phase times
-        scalars = {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
-                   counters["updates"] * args.batch_size * world.world_size
-                   / max(counters["generated"], 1)}
-        if stat_count:
-            means = (torch.stack(list(stat_sums.values())) / stat_count).tolist()  # one sync
-            scalars.update({f"losses/{k}": m for k, m in zip(stat_sums, means)})
-        if eval_env and crossed(args.eval_interval, global_step, logged_at):
-            with phases("eval"):
-                last_eval = logger.eval(global_step, evaluate())
-        logger.log(global_step, scalars, feed.pop_episodes(), phases.pop(),
-                   status=exploration_status(acted, counters["learn_from"], global_step),
-                   warmup_until=counters["learn_from"])
-        logged_at, stat_sums, stat_count = global_step, {}, 0
-        if stopped := stop(world, global_step):  # all ranks agree; rank 0 says how to continue
+        # ---- logging, evaluation, checkpoints, stop ----
+        if run.end_iteration(
+                global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
+                                      replay_shard.ratio(counters, args, world.world_size)},
+                feed.pop_episodes, warmup_until=counters["learn_from"],
+                status=lambda: exploration_status(acted, counters["learn_from"], global_step)):
             break
-        if stop.checkpoint_due and saved_at != global_step:  # --checkpoint-minutes
-            save()
-            saved_at = global_step
-
-    if saved_at != global_step:
-        path = save()
-        if world.is_main:
-            print(f"\ncheckpoint: {path}", flush=True)
-    if eval_env and not stopped and (last_eval is None
-                                     or last_eval["global_step"] != global_step):
-        last_eval = logger.eval(global_step, evaluate())  # the final evaluation
-    logger.summary(global_step, last_eval, updates=counters["updates"],
-                   replay_bytes_per_transition=replay.bytes_per_transition(),
-                   **({"central_step": central.add_steps(0),  # every chunk took every update
-                       "central_updates": int(central.steps[0])} if central else {}))
-    logger.close()
-    if central is not None:
-        central.close()
-    feed.close()
-    if eval_env:
-        eval_env.close()
-    dist.finish()
+    run.close(global_step, feed, eval_env, step, updates=counters["updates"],
+              replay_bytes_per_transition=replay.bytes_per_transition(), **step.summary())
 
 
 if __name__ == "__main__":

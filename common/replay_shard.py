@@ -71,6 +71,18 @@ def restore_or_refill(new_replay: Callable[[], Replay], state: dict | None, run_
     return replay
 
 
+def counters(args, state: dict | None) -> dict:
+    """The replay schedule's counters, continued from a checkpoint: updates taken, the fraction
+    of an update owed (`credit`), the step learning starts at, steps generated while learning."""
+    out = {"updates": 0, "credit": 0.0, "learn_from": args.learning_starts, "generated": 0}
+    return {**out, **state["counters"]} if state is not None else out
+
+
+def ratio(counters: dict, args, world_size: int) -> float:
+    """Samples replayed per sample generated so far (charts/replay_ratio)."""
+    return counters["updates"] * args.batch_size * world_size / max(counters["generated"], 1)
+
+
 def updates_due(counters: dict, args, global_batch: int, world_size: int) -> int:
     """Updates to take after `global_batch` new steps: replay_ratio x steps / (batch x ranks),
     the fraction carried in counters["credit"], so samples replayed / samples generated is

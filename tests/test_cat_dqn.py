@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common import cli
+from common.grad_step import AllReduceStep
 from tests.conftest import (expect_error, load_algo, read_summary, replay_batch, run_script,
                             run_two_ranks)
 
@@ -189,7 +190,8 @@ def _update(batch, out_path=None):
     dist.broadcast_params(model)
     dist.broadcast_params(target)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
-    _, ce, _ = c51.c51_update(model, target, opt, batch, args)
+    _, ce, _ = c51.c51_update(model, target, AllReduceStep(model, opt, args.max_grad_norm), batch,
+                              args)
     params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     if out_path:
         torch.save((params, ce), f"{out_path}.{world.rank}")

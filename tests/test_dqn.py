@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common import cli
+from common.grad_step import AllReduceStep, CentralStep
 from tests.conftest import (expect_error, load_algo, read_summary, replay_batch, run_script,
                             run_two_ranks)
 from tests.test_a2c import kill_a_rank_then_interrupt
@@ -113,7 +114,8 @@ def _update(batch, out_path=None):
     dist.broadcast_params(model)
     dist.broadcast_params(target)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
-    _, td, _ = dqn.dqn_update(model, target, opt, batch, args)
+    _, td, _ = dqn.dqn_update(model, target, AllReduceStep(model, opt, args.max_grad_norm), batch,
+                              args)
     params = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     if out_path:
         torch.save((params, td), f"{out_path}.{world.rank}")
@@ -156,9 +158,11 @@ def test_asynchronous_update_equals_torch_adam_on_a_fixed_batch(dqn):
     try:
         for seed in (0, 1):
             batch = replay_batch(32, 6, seed)
-            _, td, _ = dqn.dqn_update(model, target, torch.optim.SGD(model.parameters(), lr=0.0),
-                                      batch, args, central)
-            _, td_ref, _ = dqn.dqn_update(ref, target, reference, batch, args)
+            _, td, _ = dqn.dqn_update(model, target, CentralStep(
+                model, central, args.learning_rate, args.max_grad_norm), batch, args)
+            _, td_ref, _ = dqn.dqn_update(ref, target, AllReduceStep(ref, reference,
+                                                                     args.max_grad_norm),
+                                          batch, args)
             torch.testing.assert_close(td, td_ref)
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

@@ -30,6 +30,7 @@ import tyro
 
 from benchmarks.throughput_parts.measure import e2e_shares, fmt, load_algo, per_call, run_e2e, \
     sync, table, timed
+from common.grad_step import AllReduceStep
 
 STEM = "throughput-cat-dqn"
 PARTS = ("catdqn",)
@@ -124,10 +125,9 @@ def bench_learner(c51, a, device: torch.device, variant: str) -> dict:
     torch.manual_seed(a.seed)
     model = c51.C51Network(6, support, cargs.dueling).to(device)
     target = c51.C51Network(6, support, cargs.dueling).to(device)
-    optimizer = c51.make_optimizer(model, cargs)
+    step = AllReduceStep(model, c51.make_optimizer(model, cargs), cargs.max_grad_norm)
     batch = synthetic_batch(a.batch_size, 6, device, a.seed)
-    r = timed(lambda: c51.c51_update(model, target, optimizer, batch, cargs), 1, a.seconds,
-              device)
+    r = timed(lambda: c51.c51_update(model, target, step, batch, cargs), 1, a.seconds, device)
     return {"updates_per_s": r["steps_per_s"], "updates": r["steps"], "seconds": r["seconds"],
             "double": cargs.double, "dueling": cargs.dueling}
 

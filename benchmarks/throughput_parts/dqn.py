@@ -46,6 +46,7 @@ import torch
 from benchmarks.throughput_parts.measure import ROOT, e2e_shares, fmt, load_algo, per_call, \
     drain, run_e2e, scalar_series, sync, table, timed
 from common import envs, replay_shard
+from common.grad_step import AllReduceStep
 from common.replay import Replay
 
 STEM = "throughput-dqn"
@@ -110,9 +111,8 @@ def time_learner(dqn, batch: dict, a, device: torch.device, preset: str) -> dict
     torch.manual_seed(a.seed)
     model = dqn.QNetwork(6, dargs.dueling).to(device)
     target = dqn.QNetwork(6, dargs.dueling).to(device)
-    optimizer = dqn.make_optimizer(model, dargs)
-    r = timed(lambda: dqn.dqn_update(model, target, optimizer, batch, dargs), 1, a.seconds,
-              device)
+    step = AllReduceStep(model, dqn.make_optimizer(model, dargs), dargs.max_grad_norm)
+    r = timed(lambda: dqn.dqn_update(model, target, step, batch, dargs), 1, a.seconds, device)
     return {"updates_per_s": r["steps_per_s"], "updates": r["steps"], "seconds": r["seconds"],
             "double": dargs.double, "dueling": dargs.dueling}
 
@@ -200,13 +200,13 @@ def learning_alone(dqn, a, device: torch.device) -> dict:
         torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8))]
     torch.manual_seed(a.seed)
     model, target = dqn.QNetwork(6).to(device), dqn.QNetwork(6).to(device)
-    optimizer = dqn.make_optimizer(model, dargs)
-    counters = {"updates": 0, "credit": 0.0, "generated": 0}
+    step = AllReduceStep(model, dqn.make_optimizer(model, dargs), dargs.max_grad_norm)
+    counters = replay_shard.counters(dargs, None)
 
     def learn():  # as dqn_multigpu.py's loop, less the sampling
         replay.add(*rollout, None)
         for _ in range(replay_shard.updates_due(counters, dargs, T * B, 1)):
-            dqn.dqn_update(model, target, optimizer, replay.sample(dargs.batch_size, 0.4, device),
+            dqn.dqn_update(model, target, step, replay.sample(dargs.batch_size, 0.4, device),
                            dargs)
 
     return {**timed(learn, T * B, a.seconds, device), "replay_ratio": dargs.replay_ratio}
