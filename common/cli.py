@@ -42,7 +42,8 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
         dist.fail(error)
     run_dir, ckpt, saved = dist.broadcast_object(found, world)
     if saved:
-        known = {k: v for k, v in saved.items() if k in cls.__dataclass_fields__}
+        known = {k: tuple(v) if isinstance(v, list) else v  # JSON kept tuples as lists
+                 for k, v in saved.items() if k in cls.__dataclass_fields__}
         args = tyro.cli(cls, args=argv, default=cls(**{**known, "resume": args.resume}))
     args.run_dir, args.resume = run_dir, ckpt
     done = checkpoint.step_of(Path(ckpt)) if ckpt else None

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from common import checkpoint, dist
-from common.central_optim import CentralOptimizer, shared
 
 
 class AllReduceStep:
@@ -68,12 +67,13 @@ class AllReduceStep:
 
 
 class CentralStep(AllReduceStep):
-    """Clip this rank's own gradient, apply it to the central copy chunk by chunk (whichever chunk
-    is free first), pull the result; communication is the wait for chunks other ranks held."""
+    """Clip this rank's own gradient, apply it to `central` (common/central_optim.py) chunk by
+    chunk, whichever chunk is free first, and pull the result; communication is the wait for
+    chunks other ranks held."""
 
     independent = True  # ranks meet only at the logging cadence
 
-    def __init__(self, model: nn.Module, central: CentralOptimizer, lr: float,
+    def __init__(self, model: nn.Module, central, lr: float,
                  max_grad_norm: float):
         self.model, self.central, self.max_grad_norm = model, central, max_grad_norm
         self._lr = lr
@@ -130,6 +130,8 @@ def make(model: nn.Module, optimizer: torch.optim.Optimizer | None, run, asynchr
         if state is not None:
             checkpoint.load_into(optimizer, state["optimizer"])
         return AllReduceStep(model, optimizer, max_grad_norm)
+    from common.central_optim import CentralOptimizer, shared  # only the asynchronous modes'
+
     central = shared(partial(CentralOptimizer, model.parameters(), num_chunks,
                              global_step=run.start_step, **rule),
                      run.world, state and state["optimizer"])

@@ -21,12 +21,6 @@ from common import dist, gpu
 PHASES = ("env", "inference", "learn", "comm")
 
 
-def crossed(interval: int, step: int, previous: int) -> bool:
-    """Whether `step` passed a multiple of `interval` (> 0) since `previous`: checkpoints and
-    evaluations fall due on the global step, so every rank, and a resumed run, agree on them."""
-    return interval > 0 and step // interval > previous // interval
-
-
 class PhaseClock:
     """Seconds per phase since the last log call, as Logger.log takes them: a sampler's own
     `time_env` / `time_inference` counters, and what `with phases("learn"):` times with the

@@ -10,20 +10,28 @@
     run.close(global_step, ...)          # last checkpoint, final evaluation, summary.json
 
 `RunArgs` holds the flags every script shares; each script's `Args` extends it. The pieces:
-common/cli.py (flags), runs.py (run directories), checkpoint.py, logger.py, signals.py.
+common/cli.py (flags), runs.py (run directories), checkpoint.py, logger.py.
+
+Stops: SIGTERM or SIGINT (Ctrl-C) on any rank stops every rank at the same iteration, which
+checkpoints and exits 0, printing the command that continues the run; a second Ctrl-C kills at
+once. --checkpoint-minutes of wall-clock time since the last such checkpoint make one due on
+every rank at the same iteration, so a crash loses at most that much, whatever the hardware.
+Checkpoints and evaluations fall due on the global step, so every rank, and a resumed run, agree.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
 import torch
 
-from common import checkpoint, cli, dist, evaluation, runs, signals
-from common.logger import Logger, PhaseClock, crossed
+from common import checkpoint, cli, dist, evaluation, runs
+from common.logger import Logger, PhaseClock
 
 
 @dataclass
@@ -108,7 +116,7 @@ class Run:
         self.start_step = checkpoint.restore(self.state, world, **modules)
         for module in modules.values():
             dist.broadcast_params(module)
-        self.stopper = signals.StopRequest(args)
+        self.stopper = StopRequest(args)
         return self.start_step
 
     def begin(self, global_step: int, global_batch: int, checkpoint: Callable[[], dict],
@@ -207,3 +215,38 @@ class Run:
                  "script": self.script}
         return checkpoint.save(self.run_dir, self.world, global_step, self.args.keep_checkpoints,
                                state, rank_state=self.rank_state() if self.rank_state else None)
+
+
+def crossed(interval: int, step: int, previous: int) -> bool:
+    """Whether `step` passed a multiple of `interval` (> 0) since `previous`."""
+    return interval > 0 and step // interval > previous // interval
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag that all ranks check together where they meet (a signal to
+    one stops all); `args`: the script's flags (the run directory, --checkpoint-minutes)."""
+
+    def __init__(self, args):
+        self.args, self.signal = args, None
+        self.every, self.last = args.checkpoint_minutes * 60, time.monotonic()
+        self.checkpoint_due = False  # set by each call: all ranks agree
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C kills at once
+
+    def __call__(self, world: dist.World, global_step: int) -> bool:
+        """Whether to stop (rank 0 then prints how to continue); one all-reduce, which also
+        agrees on `checkpoint_due`: --checkpoint-minutes have passed on some rank's clock."""
+        due = self.every > 0 and time.monotonic() - self.last >= self.every
+        flags = torch.tensor([1.0 if self.signal else 0.0, 1.0 if due else 0.0],
+                             device=world.device)
+        stop, self.checkpoint_due = (dist.all_reduce_mean(flags) > 0).tolist()
+        if self.checkpoint_due:
+            self.last = time.monotonic()
+        if stop and world.is_main:
+            print(f"\nstopped by signal at step {global_step:,}; continue with:\n  "
+                  f"{runs.continue_command(self.args)}", flush=True)
+        return stop

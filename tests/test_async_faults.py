@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from common import central_optim, dist, signals
+from common import central_optim, dist
+from common.run import StopRequest
 from common.async_sampler import AsyncSampler, SamplerDied
 from tests.conftest import ROOT, run_two_ranks
 
@@ -45,7 +46,7 @@ def _set_up_then_lose_a_rank(rank, folder):
     world = dist.World(0, 0, 2, torch.device("cpu"))
     # As in appo_async.py: SIGTERM (what torchrun, and mp.spawn here, send the other ranks when
     # one fails) only sets a flag, so this rank reaches the failing collective and its clean-up.
-    signals.StopRequest(SimpleNamespace(checkpoint_minutes=0.0))
+    StopRequest(SimpleNamespace(checkpoint_minutes=0.0))
     make = partial(central_optim.CentralOptimizer, nn.Linear(3, 3).parameters(), 2, folder=folder)
     central_optim.shared(make, world)  # its collective fails: the rank leaves through os._exit
 
