@@ -1,37 +1,12 @@
-"""A2C on Atari, synchronous and data-parallel over GPUs.
+"""A2C on Atari, synchronous and data-parallel over GPUs; with --asynchronous, A3C on one machine.
 
-Advantage actor-critic, the synchronous variant of A3C (Mnih et al. 2016, arXiv 1602.01783), as
-run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
-1803.02811): one process per GPU, each driving 16 emulators with batched inference (paper
-Sec. 3.1), and one optimizer step per 5-step rollout on gradients averaged over all GPUs
-(Sec. 3.2), so all ranks hold the same parameters. The global batch is ranks x envs x steps.
-Hyperparameters follow OpenAI baselines' `a2c` (RMSprop, lr 7e-4 decayed linearly, 5 steps).
-
-Learning rate and world size. With more ranks the global batch grows (16 x 5 = 80 samples per
-rank), and `--lr-scaling` chooses how the learning rate follows, relative to one rank:
-`none` keeps it, `linear` multiplies it by the number of ranks (Goyal et al. 2017, for SGD),
-`sqrt` by its square root (the rule usually given for adaptive optimizers such as RMSprop and
-Adam). Default `none`. We could not confirm from the paper's text which rule its A2C runs used.
-The authors' code (github.com/astooke/accel_rl) takes the learning rate as a plain argument and
-applies no rule, and its multi-GPU A2C example sweep keeps one rate (2.5e-4) for 64, 128 and 256
-environments per learner. So treat the rate as a hyperparameter to retune when scaling out.
-
-RMSprop as baselines runs it. TensorFlow's RMSprop (baselines) adds epsilon inside the square
-root, PyTorch's outside. That changes the step size: gradients clipped to norm 0.5 over 1.7M
-weights are a few 1e-4 per weight, so TensorFlow's sqrt(1e-5) = 3e-3 floor sets the step, where
-PyTorch's 1e-5 would let each weight move by about the learning rate. We pass sqrt(--rmsprop-eps)
-as PyTorch's epsilon, which keeps the denominator within a factor sqrt(2) of TensorFlow's.
-TensorFlow also starts the mean square at 1, not 0; we keep PyTorch's 0, because the 1 shrinks
-the steps of the first several hundred updates (it decays as 0.99^t), which in our short tests
-only delayed learning.
-(Stable-baselines3 documents PyTorch's plain RMSprop as less stable for A2C: RMSpropTFLike.)
-
-A3C (--asynchronous; paper Sec. 3.2, Table 2: 50M steps in 2.4 / 1.3 / 0.65 hours on 2 / 4 / 8
-GPUs). Each rank applies its own clipped gradient to central parameters and RMSProp statistics in
-the machine's shared memory (common/central_optim.py: chunks under their own locks, whichever is
-free first; the statistics shared by all ranks, as in the A3C paper), then pulls the central
-parameters: no all-reduce, no rank waits for another inside an update. Ranks still meet at the
-logging cadence, each having run the same iterations, so checkpoints and signals work as in A2C.
+Advantage actor-critic (Mnih et al. 2016, arXiv 1602.01783) as run in "Accelerated Methods for
+Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811): one process per GPU, each
+driving 16 emulators with batched inference (Sec. 3.1), one optimizer step per 5-step rollout on
+gradients averaged over all GPUs (Sec. 3.2). A3C (Sec. 3.2, Table 2): each rank applies its own
+gradient to central RMSProp state in shared memory instead (common/grad_step.py). Settings follow
+OpenAI baselines' `a2c`; the learning rate across world sizes (--lr-scaling), TensorFlow's RMSprop
+epsilon and A3C's behaviour: docs/policy-gradient.md.
 
 Launch:
     python algos/a2c_multigpu.py --env-id Pong-v5                         # one process
@@ -51,9 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need: on a 2-core CPU that cut the sampler to 0.4x the emulators' speed (docs/results.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -155,8 +128,7 @@ def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamm
 def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return gpu.adam(agent.parameters(), lr=lr, eps=1e-5)
-    # TensorFlow-like RMSprop (module docstring): sqrt(eps) outside the root stands in for eps
-    # inside it, as in baselines' TF1 optimizer.
+    # TensorFlow's RMSprop: sqrt(eps) outside the root for eps inside (docs/policy-gradient.md)
     return torch.optim.RMSprop(agent.parameters(), lr=lr, alpha=args.rmsprop_alpha,
                                eps=math.sqrt(args.rmsprop_eps))
 

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-# torch's OpenMP threads spin after each parallel op by default, taking the emulators' cores
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402

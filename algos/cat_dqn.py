@@ -1,36 +1,13 @@
 """Categorical DQN (C51) on Atari at batch 2048, synchronous and data-parallel over GPUs.
 
-Distributional Q-learning (Bellemare, Dabney & Munos 2017, "A Distributional Perspective on
-Reinforcement Learning", arXiv 1707.06887): the network gives, for every action, a probability
-distribution over --num-atoms fixed returns z_0..z_{K-1} spread evenly on [--v-min, --v-max]. The
-target distribution of r + gamma^n Z(s', a') is projected back onto those atoms (Algorithm 1)
-and the loss is the cross-entropy of the prediction against it. As run in "Accelerated Methods
-for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Table 2:
-"CatDQN-2K", the paper's best median score, 2.9 human-normalised over 49 games): one process per
-GPU with batched epsilon-greedy inference over many emulators (Sec. 3.1), each rank with its own
-shard of the frame-deduplicated replay (common/replay.py), every update on gradients averaged
-over all ranks (Sec. 3.2). Options as in Rainbow (Hessel et al. 2018): --n-step returns,
---double action choice, --dueling heads, --prioritized replay with the cross-entropy as priority.
-
-Each iteration, as in dqn_multigpu.py, every rank steps its environments, appends them to its
-shard and takes the updates its replay ratio asks for (16 envs x 16 steps, batch 2048, ratio 8:
-one an iteration on one rank); --async-sampling steps them in a sampler process meanwhile.
-
-Presets (--preset; flags on the command line override them):
-  catdqn-2k   (default) the paper's CatDQN-2K: batch 2048 per rank, Adam epsilon 0.01/2048 (the
-              authors' code: 0.01/batch for C51), replay ratio 8 (Nature's batch 32 every 4
-              steps); everything else from the C51 paper. Learning rate 2.5e-4, C51's, not
-              scaled with the batch, by the rule dqn_multigpu.py takes from the authors'
-              eps-Rainbow-512 (batch-32 rate, Adam epsilon divided by the batch); we could not
-              find the paper's CatDQN-2K rate, so this is our choice.
-  c51-nature  Bellemare et al. 2017's settings: batch 32, Adam lr 2.5e-4 with epsilon 0.01/32,
-              otherwise Nature DQN's (Mnih et al. 2015): target copied every 10,000 updates
-              (40,000 steps), learning starts at 50,000 steps, epsilon 1 -> 0.01 over 1M frames.
-Both: 51 atoms on [-10, 10] (C51), target every 40,000 steps, learning from step 50,000, linear
-epsilon 1 -> 0.01 over 250,000 steps (1M frames), evaluation epsilon 0.001 (Rainbow, Hessel et
-al. 2018).
-Exploration (--eps-schedule linear|apex, common/exploration.py) and evaluation
-(common/evaluation.py) work exactly as in dqn_multigpu.py, on the expected returns E[Z].
+Distributional Q-learning (Bellemare, Dabney & Munos 2017, arXiv 1707.06887): for every action
+the network gives a distribution over --num-atoms returns on [--v-min, --v-max]; the target
+distribution of r + gamma^n Z(s', a') is projected back onto the atoms (their Algorithm 1) and
+the loss is the cross-entropy against it. As run in "Accelerated Methods for Deep Reinforcement
+Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Table 2: CatDQN-2K, the paper's best median
+score): the sampler, replay, schedules and evaluation of dqn_multigpu.py, on E[Z]. Rainbow's
+options (Hessel et al. 2018): --n-step, --double, --dueling, --prioritized (the cross-entropy as
+priority). Presets and their sources: docs/q-learning.md.
 
 Launch:
     python algos/cat_dqn.py --env-id Breakout-v5                          # one process
@@ -52,9 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need (docs/results.md, throughput on a 2-core CPU).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -254,8 +229,7 @@ def c51_update(model: C51Network, target: C51Network, step: grad_step.AllReduceS
 def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return gpu.adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    # DeepMind's RMSProp (Nature): centered, decay 0.95, minimum squared gradient 0.01 inside the
-    # square root; its square root outside stands in for it, as in dqn_multigpu.py.
+    # Nature's RMSProp: centered, decay 0.95, 0.01 inside the root (docs/policy-gradient.md)
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
                                eps=math.sqrt(0.01), centered=True)
 
@@ -315,7 +289,7 @@ def main() -> None:
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
         seconds = 0.0  # communication inside the updates
         with run.phases("learn"):
-            if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # same on all ranks
+            if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # on all ranks
                 beta = args.priority_beta + (1 - args.priority_beta) * min(
                     1.0, global_step / args.total_timesteps)
                 for _ in range(replay_shard.updates_due(counters, args, global_batch,

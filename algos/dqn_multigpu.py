@@ -1,47 +1,15 @@
 """DQN and its variants on Atari at large batch, synchronous and data-parallel over GPUs.
 
-Deep Q-learning (Mnih et al. 2015, Nature) with double Q-learning (van Hasselt et al. 2016),
-dueling heads (Wang et al. 2016), prioritized replay (Schaul et al. 2016) and n-step returns, as
-run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
-1803.02811, Table 2: "DQN-512" and "eps-Rainbow-512"): one process per GPU, each driving many
-emulators with batched epsilon-greedy inference (Sec. 3.1), each with its own shard of a
-frame-deduplicated replay memory on its GPU (common/replay.py), and every update taken on gradients
-averaged over all GPUs (Sec. 3.2), so all ranks hold the same parameters and targets.
-
-Each iteration every rank steps its --num-envs environments --num-steps times, appends them to
-its shard, then takes replay_ratio x global_steps / (batch_size x ranks) updates, carrying the
-fraction: samples replayed per sample generated is exactly --replay-ratio at any batch or world
-size (16 envs x 4 steps at batch 512, ratio 8: one update each).
-
-Asynchronous DQN (--asynchronous; paper Sec. 3.2, Table 2: DQN-512 in 3.9 hours on 4 GPUs, 3.1
-synchronous). Each rank keeps its own replay shard and ratio of updates to steps, applies its
-own clipped gradient to central parameters and Adam statistics in shared memory
-(common/central_optim.py: chunks under their own locks), then pulls them; no rank waits for
-another inside an update. The global step and the update count are central; the target is a
-copy of the central parameters each time the central step crosses --target-update-interval, and
-the exploration and importance-sampling schedules follow the central step. One machine only.
-
-Overlapped sampling (--async-sampling, with --asynchronous or not, any ranks): a sampler process
-per rank fills the next rollout while the rank learns (common/replay_feed.py); ratio exact.
-
-Presets (--preset; flags on the command line override them):
-  dqn-nature       Mnih et al. 2015: batch 32, centered RMSProp lr 2.5e-4, target every 10,000
-                   updates (40,000 steps), eps 1 -> 0.1 over 1M frames, learning starts at 50,000.
-  dqn-512          the paper's DQN-512 (the default): Nature's settings at batch 512, with Adam.
-  eps-rainbow-512  the paper's eps-Rainbow-512: double, dueling, prioritized, 3-step returns,
-                   Adam lr 6.25e-5 with epsilon 0.005/512, target every 8,000 steps, learning
-                   starts at 20,000 steps (Hessel et al. 2018's settings, the authors' code's eps).
-Learning rate from batch 32 to 512: not scaled (our choice; the paper gives no DQN-512 rate). The
-authors' code keeps Rainbow's batch-32 rate (6.25e-5) at batch 512 and divides Adam's epsilon by
-the batch size (0.005/512; C51: 0.01/batch); dqn-512 does so with Nature's 2.5e-4 (epsilon
-0.01/512). A 16x larger batch lowers the gradient's noise, not its scale (the loss is a mean).
-
-Exploration (--eps-schedule, common/exploration.py): `linear` holds --eps-start through the
-warm-up (--learning-starts), then anneals over --eps-decay-steps global steps, as DeepMind's DQN
-code and Dopamine do; `apex` gives environment i of all N (i = rank x num_envs + b) the fixed
-epsilon 0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X; rlpyt).
-Evaluation (common/evaluation.py): whole games at --eval-epsilon on separate environments, every
---eval-interval steps and at the end; a game cut at --eval-max-steps counts with its score.
+Deep Q-learning (Mnih et al. 2015) with --double (van Hasselt et al. 2016), --dueling (Wang et
+al. 2016), --prioritized replay (Schaul et al. 2016) and --n-step returns, as run in
+"Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811,
+Table 2: DQN-512, eps-Rainbow-512): one process per GPU, batched epsilon-greedy inference over
+many emulators (Sec. 3.1), a shard of the frame-deduplicated replay on each GPU
+(common/replay.py), every update on gradients averaged over all GPUs (Sec. 3.2). Each iteration
+a rank steps its environments into its shard, then takes the updates --replay-ratio asks for.
+--asynchronous: the paper's asynchronous DQN (central Adam in shared memory, one machine);
+--async-sampling: a sampler process fills the next rollout while the rank learns. Presets,
+learning rate at batch 512, schedules and resume: docs/q-learning.md.
 
 Launch:
     python algos/dqn_multigpu.py --env-id Breakout-v5                     # one process
@@ -64,9 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need (docs/results.md, throughput on a 2-core CPU).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -231,7 +197,7 @@ def dqn_update(model: QNetwork, target: QNetwork, step: grad_step.AllReduceStep,
 def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return gpu.adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    # DeepMind's RMSProp (Nature): centered, decay 0.95, eps sqrt(0.01) outside for 0.01 inside
+    # Nature's RMSProp: centered, decay 0.95, 0.01 inside the root (docs/policy-gradient.md)
     return torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=0.95,
                                eps=math.sqrt(0.01), centered=True)
 

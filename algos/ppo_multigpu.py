@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-# torch's OpenMP threads spin after each parallel op by default, taking the cores the emulator
-# threads need: on a 2-core CPU that cut the sampler to 0.4x the emulators' speed (docs/results.md).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
