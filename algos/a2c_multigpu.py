@@ -211,7 +211,7 @@ def main() -> None:
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(partial(central_optim.refusal, args), model=agent)  # or 0
+    global_step = run.restore(partial(central_optim.refusal, args), model=agent)
     rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
             dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
     step = grad_step.make(agent, optimizer, run, asynchronous=args.asynchronous,
@@ -234,9 +234,8 @@ def main() -> None:
                                   "asynchronous": args.asynchronous})
 
     while global_step < args.total_timesteps:
-        # The schedule follows the global step, so a resume with other ranks or batches goes on
-        # where it stopped; A3C: the machine's count, other ranks' steps included (it equals
-        # `global_step` whenever the ranks meet: each runs the same iterations in between).
+        # On the global step, so that a resume goes on exactly (A3C: the machine's count, which
+        # equals `global_step` whenever the ranks meet)
         step.lr = base_lr * (max(0.0, 1.0 - schedule_step / args.total_timesteps)
                              if args.anneal_lr else 1.0)
 

@@ -261,8 +261,7 @@ def main() -> None:
     agent = Agent(num_actions, args.precision, args.channels_last).to(device)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(model=agent)  # or 0
-    # Rank 0 writes the central state from its initial or resumed parameters; the others attach.
+    global_step = run.restore(model=agent)
     step = grad_step.make(agent, None, run, asynchronous=True, max_grad_norm=args.max_grad_norm,
                           num_chunks=args.num_chunks, eps=1e-5)
     global_batch = batch_per_rank * world.world_size
@@ -288,8 +287,6 @@ def main() -> None:
 
     try:
         while global_step < args.total_timesteps:
-            # The schedule follows the global step, so a resume with other ranks or batches goes
-            # on where it stopped.
             step.lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
                                             if args.anneal_lr else 1.0)
 

@@ -253,7 +253,7 @@ def main() -> None:
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(model=model, target=target)  # or 0
+    global_step = run.restore(model=model, target=target)
     if not torch.equal(model.support.cpu(), support):  # the atoms came from the checkpoint
         dist.fail(f"the checkpoint's support [{model.support[0]:g}, {model.support[-1]:g}] "
                   f"differs from --v-min {args.v_min:g} --v-max {args.v_max:g}: a run keeps "

@@ -242,7 +242,7 @@ def main() -> None:
     optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(model=agent)  # or 0
+    global_step = run.restore(model=agent)
     step = grad_step.make(agent, optimizer, run, asynchronous=False,
                           max_grad_norm=args.max_grad_norm)
 
@@ -256,9 +256,7 @@ def main() -> None:
               policy=lambda obs: Categorical(logits=agent(obs)[0]).sample())  # evaluation
 
     while global_step < args.total_timesteps:
-        # The schedule follows the global step, so a resume with other ranks or batches goes on
-        # where it stopped.
-        if args.kl_threshold is None:  # else ppo_update adapts it, kept in the optimizer's state
+        if args.kl_threshold is None:  # on the global step, so that a resume goes on exactly
             step.lr = args.learning_rate * (
                 max(0.0, 1.0 - global_step / args.total_timesteps) if args.anneal_lr else 1.0)
 
