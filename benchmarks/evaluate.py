@@ -65,14 +65,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
-from benchmarks.throughput_parts.measure import load_algo  # noqa: E402
-from common import checkpoint, envs, evaluation, runs  # noqa: E402
+from common import envs, evaluation  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
-from common.exploration import epsilon_greedy  # noqa: E402
-
-# What each script's network is: a policy-gradient Agent, a Q network, or C51's atom network.
-SCRIPTS = {"a2c_multigpu": "pg", "ppo_multigpu": "pg", "appo_async": "pg",
-           "dqn_multigpu": "dqn", "cat_dqn": "c51"}
+from common.trained import (SCRIPTS, CheckpointError, build_network, find_checkpoint,  # noqa: E402
+                            load_algo, make_policy, read_checkpoint, run_args)
 FPS = 15  # 60 Hz emulator, one agent step per 4 frames
 SEED_TAG = 2 * 10**6  # training's evaluations use 10^6 (common/evaluation.py)
 
@@ -95,92 +91,6 @@ class Args:
     """evaluation environments played side by side; default the run's --eval-envs"""
     cuda: bool = True
     """run the network on the GPU when there is one; --no-cuda forces the CPU"""
-
-
-def find_checkpoint(path: Path) -> Path:
-    """The checkpoint file a path names: itself, or a run directory's newest good one."""
-    if path.is_dir():
-        found = checkpoint.checkpoints(path)
-        if not found:
-            raise UserError(f"no checkpoint (step_*.pt) in {path}")
-        skipped = []
-        for ckpt in reversed(found):
-            problem = checkpoint.verify(ckpt)
-            if problem is None:
-                for bad, why in skipped:  # the run goes on, so these are only warnings
-                    print(f"warning: skipping checkpoint {bad}: {why}", file=sys.stderr)
-                return ckpt
-            skipped.append((ckpt, problem))
-        raise UserError(f"no readable checkpoint in {path}: {found[-1].name}"
-                        + (f" and {len(found) - 1} earlier" if len(found) > 1 else "")
-                        + f" failed ({skipped[0][1]})")
-    if not path.exists():
-        raise UserError(f"no such run directory or checkpoint: {path}")
-    problem = checkpoint.verify(path)
-    if problem:
-        raise UserError(f"cannot read checkpoint {path}: {problem}")
-    return path
-
-
-def read_checkpoint(ckpt: Path) -> dict:
-    try:
-        state = checkpoint.load(ckpt)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if not isinstance(state, dict) or "model" not in state or "script" not in state:
-        raise UserError(f"{ckpt} is not an accelrl checkpoint (it has no 'model' and 'script')")
-    if state["script"] not in SCRIPTS:
-        raise UserError(f"checkpoint {ckpt} was written by {state['script']!r}, which "
-                        f"evaluate.py does not know (known: {', '.join(SCRIPTS)})")
-    return state
-
-
-def run_args(module, ckpt: Path, state: dict):
-    """The run's flags as the script's Args: its defaults, then the run's --preset, then
-    args.json (which holds the resolved flags; the earlier layers only fill what it lacks)."""
-    try:
-        saved = runs.saved_args(ckpt)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {checkpoint.run_of(ckpt) / 'args.json'}: {e}") from None
-    if not saved:
-        print(f"warning: no args.json beside {ckpt.parent}; using {state['script']}'s defaults",
-              file=sys.stderr)
-    fields = set(module.Args.__dataclass_fields__)
-    preset = getattr(module, "PRESETS", {}).get(saved.get("preset"), {})
-    merged = {**preset, **{k: v for k, v in saved.items() if k in fields},
-              "env_id": state.get("env_id") or saved.get("env_id") or module.Args.env_id}
-    return module.Args(**merged)
-
-
-def build_network(module, kind: str, weights: dict, num_actions: int,
-                  run=None) -> torch.nn.Module:
-    """The script's network for `weights`. Dueling heads, C51's atoms and PPO's running
-    normalisers are read from the weights themselves (they are what was trained, whatever a flag
-    says); PPO's activation from the run's flags."""
-    dueling = any(k.startswith("value.") for k in weights)
-    if kind == "pg":
-        if "activation" not in module.Args.__dataclass_fields__:  # PPO's options only
-            return module.Agent(num_actions)
-        return module.Agent(num_actions, activation=getattr(run, "activation", "relu"),
-                            normalize_input="obs_norm.mean" in weights,
-                            normalize_value="value_norm.mean" in weights)
-    if kind == "dqn":
-        return module.QNetwork(num_actions, dueling)
-    if "support" not in weights:
-        raise UserError("cat_dqn checkpoint without the model's 'support' (its atoms)")
-    return module.C51Network(num_actions, weights["support"], dueling)
-
-
-def make_policy(kind: str, model: torch.nn.Module, greedy: bool, epsilon: float | None,
-                num_envs: int, device: torch.device):
-    """obs uint8 [n, 4, 84, 84] on device -> actions [n], as training's evaluations act."""
-    if kind == "pg":
-        if greedy:
-            return lambda obs: model(obs)[0].argmax(1)
-        return lambda obs: torch.distributions.Categorical(logits=model(obs)[0]).sample()
-    q = model if kind == "dqn" else model.q_values
-    eps = torch.full((num_envs,), epsilon, device=device)
-    return lambda obs: epsilon_greedy(q(obs), eps[:len(obs)])
 
 
 class VideoRecorder:
@@ -313,6 +223,9 @@ def evaluate(args: Args) -> dict:
     check_flags(args)
     ckpt = find_checkpoint(Path(args.path))
     state = read_checkpoint(ckpt)
+    if state["script"] not in SCRIPTS:
+        raise UserError(f"checkpoint {ckpt} was written by {state['script']!r}, which "
+                        f"evaluate.py does not know (known: {', '.join(SCRIPTS)})")
     script, kind = state["script"], SCRIPTS[state["script"]]
     module = load_algo(script)
     run = run_args(module, ckpt, state)
@@ -406,7 +319,7 @@ def main() -> None:
     args = tyro.cli(Args)
     try:
         evaluate(args)
-    except UserError as e:
+    except (UserError, CheckpointError) as e:
         fail(str(e))
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # and a crash (SIGABRT, SIGSEGV) prints the Python stack of every thread.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 sys.path.insert(0, str(ROOT))
-from benchmarks.throughput_parts.measure import load_algo  # noqa: E402,F401  # one copy, cached
+from common.trained import load_algo  # noqa: E402,F401  # one copy, cached
 from tests import warm  # noqa: E402
 
 _warm = threading.local()  # .server: this thread's warm server, started on first use

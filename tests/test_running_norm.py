@@ -129,7 +129,7 @@ def test_activation_elu():
 def test_evaluate_rebuilds_the_trained_network(options):
     """benchmarks/evaluate.py's network for a PPO checkpoint: the normalisers from the weights,
     the activation from the run's flags; the same outputs as the trained agent."""
-    from benchmarks.evaluate import build_network
+    from common.trained import build_network
     ppo = load_algo("ppo_multigpu")
     agent, obs = _fitted_agent(ppo, **options)
     weights = agent.state_dict()

@@ -3,7 +3,6 @@ the GPU at its edges, the end-to-end runner and the markdown table."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,24 +15,16 @@ import sys
 import tempfile
 import threading
 import time
-from functools import cache
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts set it
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from common.trained import load_algo  # noqa: E402,F401  # the throughput parts' loader
+
 ROOT = Path(__file__).resolve().parents[2]
 PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-iteration progress line
-
-
-@cache  # one module per script: two copies would hold two sets of dataclasses
-def load_algo(name: str):
-    """algos/<name>.py as a module (the scripts are launched by path, not installed)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "algos" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def hardware(device: torch.device) -> dict:

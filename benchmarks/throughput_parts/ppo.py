@@ -34,6 +34,7 @@ from benchmarks.throughput_parts.measure import (ROOT, e2e_shares, fmt, load_alg
                                                  random_rollout, run_e2e, sync, table,
                                                  timed)
 from common import envs
+from common.grad_step import AllReduceStep
 from common.sampler import Sampler
 
 STEM = "throughput"
@@ -126,9 +127,10 @@ def bench_learner(a, ppo, device: torch.device, num_actions: int) -> dict:
     n = a.num_envs * a.num_steps
     torch.manual_seed(a.seed)
     agent = ppo.Agent(num_actions).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=pargs.learning_rate, eps=1e-5)
+    step = AllReduceStep(agent, torch.optim.Adam(agent.parameters(), lr=pargs.learning_rate,
+                                                 eps=1e-5), pargs.max_grad_norm)
     batch = random_rollout(n, num_actions, device)
-    r = timed(lambda: ppo.ppo_update(agent, optimizer, batch, pargs), n, a.seconds, device)
+    r = timed(lambda: ppo.ppo_update(agent, step, batch, pargs), n, a.seconds, device)
     return {"epoch_samples_per_s": r["steps_per_s"] * pargs.update_epochs,
             "batch_samples_per_s": r["steps_per_s"], "batch_size": n, "updates": r["steps"] // n,
             "seconds": r["seconds"], "epochs": pargs.update_epochs,
