@@ -43,11 +43,12 @@ from common import async_sampler, central_optim, cli, dist, evaluation, gpu, gra
 from common import replay_feed, replay_shard  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
-from common.run import Run, RunArgs  # noqa: E402
+from common.replay_feed import ReplayArgs  # noqa: E402
+from common.run import Run  # noqa: E402
 
 
 @dataclass
-class Args(RunArgs):  # the flags every script shares: common/run.py
+class Args(ReplayArgs):  # the flags every script and the DQN family share: common/
     total_timesteps: int = 10_000_000
     """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
@@ -59,16 +60,6 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     """steps per environment per iteration, between rounds of updates"""
     batch_size: int = 512
     """transitions per update per rank; the global batch is ranks x this (paper: 512)"""
-    replay_size: int = 1_000_000
-    """replay capacity in transitions over all ranks, each rank holding 1/ranks (Nature: 1M)"""
-    replay_ratio: float = 8.0
-    """transitions replayed per transition generated (Nature: batch 32 every 4 steps = 8)"""
-    replay_device: Literal["auto", "cpu"] = "auto"
-    """where the replay lives: auto = the rank's device (a GPU's memory), or cpu"""
-    save_replay: bool = False
-    """put each rank's replay shard in the checkpoints; without it a resume refills first"""
-    learning_starts: int = 50_000
-    """global steps before the first update, and again after a resume without --save-replay"""
     target_update_interval: int = 40_000
     """global steps between target network copies (Nature: 10,000 updates x 4 steps)"""
     gamma: float = 0.99
@@ -81,10 +72,6 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     """dueling heads: Q = V + A - mean(A) (Wang et al. 2016, eq. 9)"""
     prioritized: bool = False
     """proportional prioritized replay (Schaul et al. 2016)"""
-    priority_alpha: float = 0.5
-    """priority exponent (Rainbow: 0.5)"""
-    priority_beta: float = 0.4
-    """initial importance-sampling exponent, annealed linearly to 1 over --total-timesteps"""
     optimizer: Literal["adam", "rmsprop"] = "adam"
     """adam, or rmsprop as in Nature (centered, squared-gradient decay 0.95)"""
     learning_rate: float = 2.5e-4
@@ -99,26 +86,12 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     (common/central_optim.py), with no all-reduce; one machine only"""
     num_chunks: int = 3
     """chunks of the central parameters, each under its own lock (paper: 3)"""
-    async_sampling: bool = False
-    """step the environments in a sampler process while this one learns (common/replay_feed.py);
-    a rollout then acts with parameters --num-buffers - 1 rounds of updates older"""
-    num_buffers: int = 2
-    """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
-    trains on the other; more absorb jitter at the price of older rollouts"""
-    sampler_cores: tuple[int, ...] = ()
-    """CPU cores for the sampler processes (emulators and inference), dealt out to the ranks of
-    the machine (local rank r of n takes every n-th from the r-th); the learners run on the
-    other cores. Empty: no pinning, everything shares the cores"""
     eps_schedule: Literal["linear", "apex"] = "linear"
     """exploration: one annealed epsilon, or fixed per-environment epsilons (module docstring)"""
-    eps_start: float = 1.0
-    """linear schedule's first epsilon (Nature)"""
     eps_end: float = 0.1
     """linear schedule's final epsilon (Nature: 0.1; Rainbow: 0.01)"""
     eps_decay_steps: int = 250_000
     """global steps of the linear decay (Nature: 1M frames)"""
-    eval_epsilon: float = 0.001
-    """exploration during evaluation (Rainbow: 0.001; Nature: 0.05)"""
 
 
 PRESETS = {  # sources in the module docstring

@@ -26,7 +26,9 @@ when the run stopped are not counted, so the step count is exact either way.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import numpy as np
 import torch
@@ -35,7 +37,40 @@ from common import dist, envs
 from common.async_sampler import AsyncSampler, SamplerDied
 from common.exploration import Explorer, act, epsilons
 from common.gpu import Upload
+from common.run import RunArgs
 from common.sampler import Sampler
+
+@dataclass
+class ReplayArgs(RunArgs):  # the DQN family's replay and sampling flags; each Args extends it
+    replay_size: int = 1_000_000
+    """replay capacity in transitions over all ranks, each rank holding 1/ranks (Nature: 1M)"""
+    replay_ratio: float = 8.0
+    """transitions replayed per transition generated (Nature: batch 32 every 4 steps = 8)"""
+    replay_device: Literal["auto", "cpu"] = "auto"
+    """where the replay lives: auto = the rank's device (a GPU's memory), or cpu"""
+    save_replay: bool = False
+    """put each rank's replay shard in the checkpoints; without it a resume refills first"""
+    learning_starts: int = 50_000
+    """global steps before the first update, and again after a resume without --save-replay"""
+    priority_alpha: float = 0.5
+    """priority exponent (Rainbow: 0.5)"""
+    priority_beta: float = 0.4
+    """initial importance-sampling exponent, annealed linearly to 1 over --total-timesteps"""
+    async_sampling: bool = False
+    """step the environments in a sampler process while this one learns (common/replay_feed.py);
+    a rollout then acts with parameters --num-buffers - 1 rounds of updates older"""
+    num_buffers: int = 2
+    """shared-memory rollout buffers per rank: 2 lets the sampler fill one while the learner
+    trains on the other; more absorb jitter at the price of older rollouts"""
+    sampler_cores: tuple[int, ...] = ()
+    """CPU cores for the sampler processes (emulators and inference), dealt out to the ranks of
+    the machine (local rank r of n takes every n-th from the r-th); the learners run on the
+    other cores. Empty: no pinning, everything shares the cores"""
+    eps_start: float = 1.0
+    """linear schedule's first epsilon (Nature)"""
+    eval_epsilon: float = 0.001
+    """exploration during evaluation (Rainbow: 0.001; Nature: 0.05)"""
+
 
 KEYS = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs")  # Replay.add's order
 

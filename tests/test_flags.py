@@ -24,14 +24,20 @@ ALGORITHM_OWN = {
 
 def _flags(script: str) -> dict[str, tuple[str, str, str]]:
     """{field: (type, default, help)} of a script's Args, read from its source, with those of the
-    shared base class it extends (common/run.py's RunArgs)."""
+    shared base classes it extends (common/run.py's RunArgs, common/replay_feed.py's...)."""
     tree = ast.parse((ROOT / "algos" / f"{script}.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return _with_bases(next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                            and n.name == "Args"))
+
+
+def _with_bases(cls: ast.ClassDef) -> dict[str, tuple[str, str, str]]:
     out = {}
-    if any(ast.unparse(b) == "RunArgs" for b in cls.bases):
-        base = ast.parse((ROOT / "common" / "run.py").read_text())
-        out = _fields(next(n for n in base.body if isinstance(n, ast.ClassDef)
-                           and n.name == "RunArgs"))
+    for base in map(ast.unparse, cls.bases):
+        for module in sorted((ROOT / "common").glob("*.py")):
+            tree = ast.parse(module.read_text())
+            found = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == base]
+            if found:
+                out.update(_with_bases(found[0]))
     return {**out, **_fields(cls)}
 
 
