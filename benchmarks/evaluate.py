@@ -9,7 +9,7 @@ checkpoint's "script" and the run's flags (args.json beside checkpoints/; a flag
 the script's default, and a named --preset's values first), and the games are played by
 common/evaluation.py exactly as the run's own evaluations are: whole games with all lives
 (episodic lives off), FIRE after each lost life as the run had it (--fire-reset), the run's
-sticky actions, and games cut at the run's --eval-max-steps (4,500 = 18,000 frames) counted with
+sticky actions, and games cut at the run's --eval-max-steps (the 5-minute cap) counted with
 their score so far. The game is the checkpoint's own env_id.
 
 Policy, as in training's evaluations: the DQN family (dqn_multigpu, cat_dqn) is epsilon-greedy at
