@@ -214,8 +214,9 @@ def main() -> None:
     global_step = run.restore(partial(central_optim.refusal, args), model=agent)
     rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
             dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
-    step = grad_step.make(agent, optimizer, run, asynchronous=args.asynchronous,
-                          max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks, **rule)
+    step = central_optim.make_step(agent, optimizer, run, asynchronous=args.asynchronous,
+                                   max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
+                                   **rule)
     schedule_step = global_step  # A3C: the machine's step count at this rank's last rollout
 
     global_batch = batch_per_rank * world.world_size

@@ -262,8 +262,8 @@ def main() -> None:
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = run.restore(model=agent)
-    step = grad_step.make(agent, None, run, asynchronous=True, max_grad_norm=args.max_grad_norm,
-                          num_chunks=args.num_chunks, eps=1e-5)
+    step = central_optim.make_step(agent, None, run, asynchronous=True, eps=1e-5,
+                                   max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks)
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
     env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,

@@ -36,9 +36,10 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, cli, dist, evaluation, gpu, grad_step  # noqa: E402
+from common import async_sampler, cli, dist, evaluation, gpu  # noqa: E402
 from common import replay_feed, replay_shard  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
+from common.grad_step import AllReduceStep  # noqa: E402
 from common.exploration import status as exploration_status  # noqa: E402
 from common.replay_feed import ReplayArgs  # noqa: E402
 from common.run import Run  # noqa: E402
@@ -184,7 +185,7 @@ def c51_loss(model: C51Network, target: C51Network, batch: dict[str, torch.Tenso
     return (batch["weights"] * ce).mean(), ce, log_p
 
 
-def c51_update(model: C51Network, target: C51Network, step: grad_step.AllReduceStep,
+def c51_update(model: C51Network, target: C51Network, step: AllReduceStep,
                batch: dict[str, torch.Tensor], args: Args):
     """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
 
@@ -226,13 +227,12 @@ def main() -> None:
     optimizer = make_optimizer(model, args)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(model=model, target=target)
+    global_step = run.restore(model=model, target=target, optimizer=optimizer)
     if not torch.equal(model.support.cpu(), support):  # the atoms came from the checkpoint
         dist.fail(f"the checkpoint's support [{model.support[0]:g}, {model.support[-1]:g}] "
                   f"differs from --v-min {args.v_min:g} --v-max {args.v_max:g}: a run keeps "
                   "its atoms")
-    step = grad_step.make(model, optimizer, run, asynchronous=False,
-                          max_grad_norm=args.max_grad_norm)
+    step = AllReduceStep(model, optimizer, args.max_grad_norm)  # the paper's synchronous step
     counters = replay_shard.counters(args, run.state)
     replay = replay_shard.restore_or_refill(new_replay, run.state, run.run_dir, world, args,
                                             counters)

@@ -196,9 +196,9 @@ def main() -> None:
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank exploration and replay sampling
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = run.restore(partial(central_optim.refusal, args), model=model, target=target)
-    step = grad_step.make(model, optimizer, run, asynchronous=args.asynchronous,
-                          max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
-                          eps=args.adam_eps)
+    step = central_optim.make_step(model, optimizer, run, asynchronous=args.asynchronous,
+                                   max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
+                                   eps=args.adam_eps)
     counters = replay_shard.counters(args, run.state)
     replay = replay_shard.restore_or_refill(new_replay, run.state, run.run_dir, world, args,
                                             counters)

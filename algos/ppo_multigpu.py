@@ -29,8 +29,9 @@ import torch.nn as nn  # noqa: E402
 from torch.distributions import Categorical  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import cli, dist, envs, evaluation, grad_step, gpu  # noqa: E402
+from common import cli, dist, envs, evaluation, gpu  # noqa: E402
 from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
+from common.grad_step import AllReduceStep  # noqa: E402
 from common.run import Run, RunArgs  # noqa: E402
 from common.running_norm import RunningNorm  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
@@ -178,7 +179,7 @@ def ppo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
                   "clipfrac": ((ratio - 1).abs() > args.clip_coef).float().mean()}
 
 
-def ppo_update(agent: Agent, step: grad_step.AllReduceStep, batch: dict[str, torch.Tensor],
+def ppo_update(agent: Agent, step: AllReduceStep, batch: dict[str, torch.Tensor],
                args: Args) -> tuple[dict[str, float], float]:
     """PPO epochs over this rank's flat batch; returns (stats, comm seconds).
 
@@ -242,9 +243,8 @@ def main() -> None:
     optimizer = gpu.adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling and minibatches
     np.random.seed(args.seed * 1000 + world.rank)
-    global_step = run.restore(model=agent)
-    step = grad_step.make(agent, optimizer, run, asynchronous=False,
-                          max_grad_norm=args.max_grad_norm)
+    global_step = run.restore(model=agent, optimizer=optimizer)
+    step = AllReduceStep(agent, optimizer, args.max_grad_norm)  # the paper's synchronous step
 
     global_batch = batch_per_rank * world.world_size
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),

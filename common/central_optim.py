@@ -30,12 +30,14 @@ import re
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from common import dist
+from common import checkpoint, dist
 from common.gpu import Upload
+from common.grad_step import AllReduceStep, CentralStep
 
 FOLDER = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
@@ -241,3 +243,22 @@ def shared(make, world, state: dict | None = None) -> CentralOptimizer:
         if world.is_main and central is not None:
             central.unlink()
     return central
+
+
+def make_step(model, optimizer: torch.optim.Optimizer | None, run, asynchronous: bool,
+              max_grad_norm: float, num_chunks: int = 3, **rule) -> AllReduceStep:
+    """The run's step (common/grad_step.py), after `run.restore`: the all-reduced one (`optimizer`
+    takes the checkpoint's statistics), or the central one (rank 0 writes the central state from
+    the model and the checkpoint's statistics, the others attach). `rule`: the central update's
+    (rule="adam" or "rmsprop", eps, alpha); `optimizer`, when given, is where the rate starts."""
+    state = run.state
+    if not asynchronous:
+        if state is not None:
+            checkpoint.load_into(optimizer, state["optimizer"])
+        return AllReduceStep(model, optimizer, max_grad_norm)
+    central = shared(partial(CentralOptimizer, model.parameters(), num_chunks,
+                             global_step=run.start_step, **rule),
+                     run.world, state and state["optimizer"])
+    central.pull()
+    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
+    return CentralStep(model, central, lr, max_grad_norm)

@@ -7,16 +7,15 @@ An update function calls `step(loss)` and never asks which kind it holds (paper 
   machine's central optimizer (common/central_optim.py), whose new parameters, other ranks'
   steps included, the rank then pulls. No rank waits for another's gradient.
 Both count the steps schedules follow, checkpoint their optimizer state and close the same way.
+A script with both modes gets its step from common/central_optim.py's make_step.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn as nn
 
-from common import checkpoint, dist
+from common import dist
 
 
 class AllReduceStep:
@@ -118,23 +117,3 @@ class CentralStep(AllReduceStep):
     def close(self) -> None:
         self.central.close()
 
-
-def make(model: nn.Module, optimizer: torch.optim.Optimizer | None, run, asynchronous: bool,
-         max_grad_norm: float, num_chunks: int = 3, **rule) -> AllReduceStep:
-    """The run's step, after `run.restore`: the all-reduced one (`optimizer` takes the checkpoint's
-    statistics), or the central one (rank 0 writes the central state from the model and the
-    checkpoint's statistics, the others attach). `rule`: the central update's (CentralOptimizer:
-    rule="adam" or "rmsprop", eps, alpha); `optimizer`, when given, is where the rate starts."""
-    state = run.state
-    if not asynchronous:
-        if state is not None:
-            checkpoint.load_into(optimizer, state["optimizer"])
-        return AllReduceStep(model, optimizer, max_grad_norm)
-    from common.central_optim import CentralOptimizer, shared  # only the asynchronous modes'
-
-    central = shared(partial(CentralOptimizer, model.parameters(), num_chunks,
-                             global_step=run.start_step, **rule),
-                     run.world, state and state["optimizer"])
-    central.pull()
-    lr = optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0
-    return CentralStep(model, central, lr, max_grad_norm)

@@ -105,17 +105,17 @@ class Run:
         self.script = Path(sys.modules[args_cls.__module__].__file__).stem
         self.state, self.signalled = None, False
 
-    def restore(self, check: Callable[[dict], str | None] | None = None,
-                **modules: torch.nn.Module) -> int:
-        """Make or reuse the run directory, load the checkpoint into `modules` (model=, target=)
-        and give every rank rank 0's parameters; returns the global step (0 for a new run).
-        `check(state)`: the script's reason to refuse a checkpoint, or None. From here on a
+    def restore(self, check: Callable[[dict], str | None] | None = None, **modules) -> int:
+        """Make or reuse the run directory, load the checkpoint into `modules` (model=, target=,
+        optimizer=) and give every rank rank 0's parameters; returns the global step (0 for a new
+        run). `check(state)`: the script's reason to refuse a checkpoint, or None. From here on a
         signal stops the run cleanly."""
         args, world = self.args, self.world
         self.run_dir, self.state = runs.prepare_run(args, self.script, world, check)
         self.start_step = checkpoint.restore(self.state, world, **modules)
         for module in modules.values():
-            dist.broadcast_params(module)
+            if isinstance(module, torch.nn.Module):
+                dist.broadcast_params(module)
         self.stopper = StopRequest(args)
         return self.start_step
 
