@@ -40,13 +40,13 @@ class AllReduceStep:
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
         comm = dist.all_reduce_grads(self.model)
-        self._clip()
+        norm = self._clip()
         self.optimizer.step()
-        return self._norm, comm
+        return norm, comm
 
-    def _clip(self) -> None:
-        self._norm = (nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-                      if self.max_grad_norm > 0 else None)
+    def _clip(self) -> torch.Tensor | None:
+        return (nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+                if self.max_grad_norm > 0 else None)
 
     def count(self, rank_steps: int, global_step: int) -> int:
         """The step schedules follow after this rank's `rank_steps` new ones: the global step."""
@@ -88,10 +88,10 @@ class CentralStep(AllReduceStep):
     def __call__(self, loss: torch.Tensor) -> tuple[torch.Tensor | None, float]:
         self.model.zero_grad(set_to_none=False)
         loss.backward()
-        self._clip()
+        norm = self._clip()
         waited = self.central.step(self._lr)
         self.central.pull()
-        return self._norm, waited
+        return norm, waited
 
     def count(self, rank_steps: int, global_step: int) -> int:
         """The machine's step count, other ranks' steps included. Ranks meet only to log, so
