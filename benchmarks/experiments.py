@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, registry  # noqa: E402
 from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
-from benchmarks.scaling import stop_ranks  # noqa: E402
+from benchmarks.training import Training, command  # noqa: E402
 
 PAPER_GAMES = ("BeamRider-v5", "Breakout-v5", "Pong-v5", "Qbert-v5", "Seaquest-v5",
                "SpaceInvaders-v5")
@@ -142,13 +142,12 @@ class Run:
 
     def command(self, exp: Experiment, total: int | None, ranks: int) -> list[str]:
         algo = registry.ALGOS[self.config.algo]
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     f"--nproc_per_node={ranks}"] if ranks > 1 else [sys.executable])
         total = total or exp.total_timesteps
-        return [*launcher, str(registry.script_path(algo)), *algo.flags,
-                *(algo.smoke if exp.smoke else ()), *self.config.flags, "--env-id", self.game,
-                "--seed", str(self.seed), *(("--total-timesteps", str(total)) if total else ()),
-                "--run-dir", str(self.run_dir), "--resume", "auto"]
+        return command(registry.script_path(algo), [
+            *algo.flags, *(algo.smoke if exp.smoke else ()), *self.config.flags, "--env-id",
+            self.game, "--seed", str(self.seed), *(("--total-timesteps", str(total)) if total
+                                                   else ()),
+            "--run-dir", str(self.run_dir), "--resume", "auto"], ranks if ranks > 1 else None)
 
 
 def game_id(name: str) -> str:
@@ -242,9 +241,7 @@ def main() -> None:
         slots.put(slot)
     logs = Path(args.runs).resolve() / args.name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-    running: set[subprocess.Popen] = set()
+    running: set[Training] = set()
     stopping = threading.Event()
 
     def launch(i: int, r: Run) -> bool:
@@ -254,19 +251,15 @@ def main() -> None:
         try:
             cmd = r.command(exp, args.total_timesteps, args.ranks)
             log = logs / f"{r.run_dir.parent.parent.name}__{r.config.label}__seed{r.seed}.log"
-            run_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else env
             print(f"[{i}/{len(todo)}] start {r.config.label} {r.game} seed {r.seed}"
                   + (f" on GPU {','.join(slot)}" if slot else ""), flush=True)
             t0 = time.time()
-            with open(log, "a") as f:  # a resumed run's earlier attempts stay in its log
-                f.write(shlex.join(cmd) + "\n")
-                f.flush()
-                # Own session: a Ctrl-C reaches only this runner, which stops each run once.
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=f,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-                running.add(proc)
-                code = proc.wait()
-                running.discard(proc)
+            # appended to: a resumed run's earlier attempts stay in its log
+            run = Training(cmd, log, append=True,
+                           env={"CUDA_VISIBLE_DEVICES": ",".join(slot)} if slot else None)
+            running.add(run)
+            code = run.run(grace=None).returncode
+            running.discard(run)
             ok = code == 0 and r.finished(args.total_timesteps or exp.total_timesteps)
             if stopping.is_set() and not ok:
                 print(f"[{i}/{len(todo)}] stopped: {r.config.label} {r.game} seed {r.seed}",
@@ -285,10 +278,10 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every running run checkpoints and stops
         stopping.set()
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(running):
-            stop_ranks(proc, torchrun=args.ranks > 1)
-        for proc in list(running):
-            proc.wait()
+        for run in list(running):  # each finishes its iteration and checkpoints
+            threading.Thread(target=run.stop, args=(None,)).start()
+        for run in list(running):
+            run.proc.wait()
         print("interrupted: the same command continues the sweep", file=sys.stderr)
         sys.exit(130)
     pool.shutdown()

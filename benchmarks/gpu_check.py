@@ -76,12 +76,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
+from benchmarks.training import (Training, command, descendants, phase_shares,  # noqa: E402
+                                 summary)
 
 ENV_ID = "Breakout-v5"
 FAIL_VAR = "GPU_CHECK_FAIL_STEP"
 QUICK_TIMEOUT = 240.0  # per step on a CPU: a guard against hangs, not a budget
 GRACE = 15.0  # seconds a timed-out step's processes get to exit on SIGTERM (torchrun forwards it)
-PPO = str(ROOT / "algos" / "ppo_multigpu.py")
 
 
 @dataclass
@@ -204,36 +205,18 @@ def e2e(c, script: str, flags: list[str], name: str, measurement: str,
                gpu_memory_bytes=summary(run_dir).get("gpu_memory_bytes"))
 
 
-def summary(run_dir: Path) -> dict:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+def launch(cmd: list[str], what: str) -> str:
+    """Run a command to its end (the step's timeout bounds it), its output copied into the
+    step's log as it comes (a timed-out step's log then shows how far it got); its output."""
+    print(f"{what}: {' '.join(cmd[1:])}", flush=True)
+    t = Training(cmd, echo=True, env={"PYTHONFAULTHANDLER": "1"}).run()
+    if t.returncode:
+        raise StepError(f"{what} exited {t.returncode}: {t.tail()}")
+    return "".join(t.lines)
 
 
 def shares(s: dict) -> dict | None:
-    """Phase shares of a summary.json, as run_e2e computes them for its runs."""
-    from benchmarks.throughput_parts.measure import phase_shares
-    return phase_shares(s)
-
-
-def launch(cmd: list[str], what: str) -> str:
-    """Run a training command to its end (the step's timeout bounds it), its output copied into
-    the step's log as it comes (a timed-out step's log then shows how far it got)."""
-    print(f"{what}: {' '.join(cmd[1:])}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    lines = []
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as p:
-        for line in p.stdout:
-            print(line, end="", flush=True)
-            lines.append(line)
-    if p.returncode:
-        raise StepError(f"{what} exited {p.returncode}: {tail(''.join(lines))}")
-    return "".join(lines)
-
-
-def torchrun(ranks: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={ranks}", PPO]
+    return phase_shares(s.get("phase_seconds") or {}, s.get("wall_seconds"))
 
 
 def small_ppo(c) -> list[str]:
@@ -417,12 +400,13 @@ def step_modes(c) -> list[dict]:
 def step_resume(c) -> list[dict]:
     run, first = c.work / "runs" / "resume", c.s.small[2]
     device = ["--cuda"] if c.cuda else ["--no-cuda"]
-    launch(torchrun(1) + [*small_ppo(c), *device, "--total-timesteps", str(first),
-                          "--checkpoint-interval", str(first // 2), "--run-dir", str(run)],
-           "1 rank under torchrun")
+    launch(command("ppo_multigpu", [*small_ppo(c), *device, "--total-timesteps", str(first),
+                                     "--checkpoint-interval", str(first // 2), "--run-dir",
+                                     str(run)], ranks=1), "1 rank under torchrun")
     s1 = summary(run)
-    out = launch([sys.executable, PPO, "--no-cuda", "--resume", str(run),
-                  "--total-timesteps", str(2 * first)], "resumed on the CPU")
+    out = launch(command("ppo_multigpu", ["--no-cuda", "--resume", str(run),
+                                          "--total-timesteps", str(2 * first)]),
+                 "resumed on the CPU")
     s2 = summary(run)
     said = "resumed from" in out
     if not said or s2.get("global_step", 0) < 2 * first or s2.get("device") != "cpu":
@@ -440,8 +424,9 @@ def step_resume(c) -> list[dict]:
 def step_two_ranks(c) -> list[dict]:
     run, total = c.work / "runs" / "two_ranks", c.s.small[2]
     device = ["--cuda", "--backend", "gloo"] if c.cuda else ["--no-cuda"]
-    launch(torchrun(2) + [*small_ppo(c), *device, "--total-timesteps", str(2 * total),
-                          "--run-dir", str(run)], "2 ranks under torchrun")
+    launch(command("ppo_multigpu", [*small_ppo(c), *device, "--total-timesteps",
+                                     str(2 * total), "--run-dir", str(run)], ranks=2),
+           "2 ranks under torchrun")
     s = summary(run)
     if s.get("world_size") != 2 or s.get("global_step", 0) < 2 * total:
         raise StepError(f"2-rank run ended at step {s.get('global_step')} with world size "
@@ -498,24 +483,27 @@ def run_step_here(args: Args) -> None:
 # ---- the parent: run the steps, collect the table ----
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """End a timed-out step's whole process group: SIGTERM (the scripts save and stop, torchrun
-    forwards it to its ranks), then SIGKILL whatever is left after GRACE seconds."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    """End a timed-out step and every process under it (its training runs have sessions of
+    their own): SIGTERM (the scripts save and stop), then SIGKILL whatever is left after GRACE
+    seconds."""
+    pids = [proc.pid, *descendants(proc.pid)]
+
+    def send(sig: int) -> list[int]:
+        sent = []
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                sent.append(pid)
+            except ProcessLookupError:
+                pass
+        return sent
+
+    send(signal.SIGTERM)
     proc.wait()
     deadline = time.monotonic() + GRACE
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
+    while time.monotonic() < deadline and send(0):
         time.sleep(0.2)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    send(signal.SIGKILL)
 
 
 def cpu_seconds() -> float:
@@ -590,25 +578,6 @@ def output_stem(out: str | None, device: str) -> Path:
     except OSError as e:
         raise UserError(f"cannot write to --out {folder}: {e.strerror or e}") from None
     return stem
-
-
-def hardware_line(device: str) -> dict:
-    """measure.hardware plus the CUDA runtime and driver versions."""
-    import torch
-
-    from benchmarks.throughput_parts.measure import hardware
-
-    hw = hardware(torch.device(device))
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        hw["driver"] = smi.stdout.strip().splitlines()[0].split(",")[-1].strip() \
-            if smi.returncode == 0 and smi.stdout.strip() else None
-    except (OSError, subprocess.TimeoutExpired):
-        hw["driver"] = None
-    hw["cuda"] = torch.version.cuda
-    hw["line"] += f"; CUDA {hw['cuda'] or 'n/a'}, driver {hw['driver'] or 'n/a'}"
-    return hw
 
 
 def with_ratios(steps: list[dict]) -> float | None:
@@ -694,14 +663,15 @@ def main_parent(args: Args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     names = chosen_steps(args.steps)
     timeouts = parse_timeouts(args.timeouts, args.quick)
+    import torch
+
     if args.cuda:
-        import torch
         if not torch.cuda.is_available():
             raise UserError("no CUDA GPU is visible; pass --no-cuda (with --quick for the small "
                              "CPU check)")
     device = "cuda" if args.cuda else "cpu"
     stem = output_stem(args.out, device)
-    report = {"hardware": hardware_line(device), "device": device,
+    report = {"hardware": outputs.hardware(torch.device(device)), "device": device,
               "mode": f"{'quick' if args.quick else 'full'} budgets on {device}, {ENV_ID}",
               "args": vars(args), "sizes": vars(sizes(args.quick)), "steps": []}
     print(f"hardware: {report['hardware']['line']}\nwriting {stem}.json, {stem}.md", flush=True)

@@ -2,20 +2,18 @@
 
 Each chosen configuration (benchmarks/registry.py) is launched under torchrun at each rank count
 with a huge --total-timesteps and trained for `--warmup` seconds after its first progress line
-(and, for replay-based scripts, until learning has started), then for `--seconds` more; then its
-ranks get SIGTERM, which every script handles by finishing its iteration, writing a checkpoint
-and exiting 0 (the signal goes to the ranks, not to torchrun's agent, which would kill them 30 s
-later). A run that has not exited `--stop-timeout` seconds later is killed.
+(and, for replay-based scripts, until learning has started), then for `--seconds` more; then it
+stops cleanly (benchmarks/training.py), or is killed `--stop-timeout` seconds later.
 
 Steady-state steps/s comes from the run's TensorBoard events (charts/SPS, one per logging
 interval; TensorBoard's EventAccumulator, the wall time of each event): the global steps between
 the first logging event after the warm-up and the last one, over the wall time between them.
 Phase shares are the run's time/* scalars (env, inference, learn, comm; APPO also sampler_wait,
 learner_wait) summed over the same intervals, over that wall time, and "other" the rest
-(logging, checkpoints, bookkeeping); for APPO, env and inference are the sampler process's and
-overlap the learner's time, so its shares may add up to more than 1 and it gets no "other".
-On the CPU each rank gets cores / ranks torch threads (OMP_NUM_THREADS, unless it is set). Projected hours = 50M / steps/s / 3600; speed-up = steps/s over the 1-rank (or smallest)
-rank count's; efficiency = speed-up / (ranks / that rank count).
+(training.phase_shares: for APPO, env and inference are the sampler process's, so its shares
+may add up to more than 1). On the CPU each rank gets cores / ranks torch threads
+(OMP_NUM_THREADS, unless it is set). Projected hours = 50M / steps/s / 3600; speed-up = steps/s
+over the 1-rank (or smallest) rank count's; efficiency = speed-up / (ranks / that rank count).
 
 Rank counts: default 1, 2, 4, 8, each skipped with a one-line note when it does not fit: more
 ranks than GPUs (with --cuda on a GPU machine) or than CPU cores (on the CPU, gloo ranks).
@@ -34,12 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs, registry  # noqa: E402
 from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
+from benchmarks.training import Training, command, phase_shares, summary  # noqa: E402
 
-PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-interval progress line
 STEPS_50M = 50_000_000
 
 
@@ -113,128 +107,73 @@ def event_series(run_dir: Path) -> dict[str, list]:
     return {k: sorted(v, key=lambda e: e[0]) for k, v in out.items()}
 
 
-def steady_state(run_dir: Path, start_step: int, overlapping: bool = False) -> dict:
+def steady_state(run_dir: Path, start_step: int) -> dict:
     """Steps/s and phase shares between the logging event at start_step and the last one."""
     series = event_series(run_dir)
     marks = [(t, s) for t, s, _ in series.get("charts/SPS", []) if s >= start_step]
     if len(marks) < 2:
         raise ValueError("fewer than 2 logging intervals after the warm-up: raise --seconds")
     (t0, s0), (t1, s1) = marks[0], marks[-1]
-    seconds = t1 - t0
-    shares = {}
-    for tag, events in series.items():
-        if tag.startswith("time/"):
-            spent = sum(v for _, s, v in events if s0 < s <= s1)
-            shares[tag[len("time/"):]] = spent / seconds
-    if shares and not overlapping:  # synchronous scripts: one phase at a time
-        shares["other"] = 1 - sum(shares.values())
-    return {"steady_sps": (s1 - s0) / seconds, "steady_seconds": seconds,
-            "steady_steps": s1 - s0, "phase_share": shares}
-
-
-def stop_ranks(agent: subprocess.Popen, torchrun: bool = True) -> None:
-    """SIGTERM to every rank: each finishes its iteration, checkpoints and exits 0, and torchrun
-    then exits 0. Not to the torchrun agent: it would forward the signal but kill its workers
-    30 s later, before a DQN-family rank on a slow machine reaches its next stop check. Without
-    torchrun (torchrun=False) the process is the rank itself."""
-    ranks = []
-    if not torchrun:
-        agent.send_signal(signal.SIGTERM)
-        return
-    for task in Path(f"/proc/{agent.pid}/task").glob("*"):
-        try:
-            ranks += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    for pid in ranks:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    if not ranks:  # no /proc (not Linux), or no worker yet: the agent forwards it
-        agent.send_signal(signal.SIGTERM)
+    spent = {tag[len("time/"):]: sum(v for _, s, v in events if s0 < s <= s1)
+             for tag, events in series.items() if tag.startswith("time/")}
+    return {"steady_sps": (s1 - s0) / (t1 - t0), "steady_seconds": t1 - t0,
+            "steady_steps": s1 - s0, "phase_share": phase_shares(spent, t1 - t0) or {}}
 
 
 def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) -> Result:
     algo = registry.ALGOS[name]
     flags = [*algo.flags, *algo.scale, *(() if use_cuda else algo.cpu), *args.flags.split()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={ranks}", str(registry.script_path(algo)), "--env-id", args.env_id,
-           "--seed", str(args.seed), "--total-timesteps", str(10**12), "--run-dir", str(run_dir),
-           "--cuda" if use_cuda else "--no-cuda", *flags]
+    cmd = command(registry.script_path(algo), [
+        "--env-id", args.env_id, "--seed", str(args.seed), "--total-timesteps", str(10**12),
+        "--run-dir", str(run_dir), "--cuda" if use_cuda else "--no-cuda", *flags], ranks)
     res = Result(name, ranks, " ".join(cmd[1:]))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not use_cuda:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-    lines: list[tuple[float, int]] = []  # (time.time(), global step) of each progress line
-    with tempfile.TemporaryFile("w+") as err:
-        # Its own session: a Ctrl-C here reaches only this script, which then stops the run.
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
-                                text=True, start_new_session=True)
-        reader = threading.Thread(target=lambda: [
-            lines.append((time.time(), int(m.group(1).replace(",", ""))))
-            for line in proc.stdout if (m := PROGRESS.search(line))], daemon=True)
-        reader.start()
-        start = stop_at = None
-        warm = None  # steps before steady state, from the run's resolved flags
-        give_up = time.time() + args.warmup + args.stop_timeout  # never wait forever for it
-        try:
-            while proc.poll() is None:
-                time.sleep(0.2)
-                if start is None and time.time() > give_up:
-                    res.error = (f"no steady state within {args.warmup + args.stop_timeout:g} s "
-                                 "(no progress, or learning never started); stopped")
-                    stop_ranks(proc)
-                    break
-                if not lines or stop_at is not None:
-                    if stop_at is not None and time.time() >= stop_at:
-                        res.load_average = os.getloadavg()[0]
-                        stop_ranks(proc)
-                        break
-                    continue
-                if warm is None:
-                    run_args = json.loads((run_dir / "args.json").read_text())
-                    warm = registry.warm_steps(algo, run_args)
-                t_first = lines[0][0]
-                for t, step in list(lines):
-                    if t - t_first >= args.warmup and step > warm:
-                        start, stop_at = step, t + args.seconds
-                        break
-        except KeyboardInterrupt:
-            stop_ranks(proc)
-            proc.wait(args.stop_timeout)
-            raise
-        try:
-            proc.wait(args.stop_timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            res.error = f"did not stop within {args.stop_timeout:g} s of SIGTERM; killed"
-        reader.join(5)
-        err.seek(0)
-        stderr = err.read()
+    env = None if use_cuda else {
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                          str(max(1, (os.cpu_count() or 1) // ranks)))}
+    warm, start = None, None  # steps before steady state (the run's flags); its first step
+
+    def measured(t: Training) -> bool:
+        """Stop once --seconds have passed since the warm-up ended (or it never ends)."""
+        nonlocal warm, start
+        if start is None:
+            if t.elapsed > args.warmup + args.stop_timeout:
+                res.error = (f"no steady state within {args.warmup + args.stop_timeout:g} s "
+                             "(no progress, or learning never started); stopped")
+                return True
+            if not t.progress:
+                return False
+            if warm is None:
+                warm = registry.warm_steps(algo, json.loads((run_dir / "args.json").read_text()))
+            first = t.progress[0][0]
+            start = next(((s, at) for at, s in t.progress if at - first >= args.warmup
+                          and s > warm), None)
+            return False
+        if t.elapsed >= start[1] + args.seconds:
+            res.load_average = os.getloadavg()[0]
+            return True
+        return False
+
+    t = Training(cmd, env=env).run(until=measured, grace=args.stop_timeout)
     # A clean stop: every rank checkpointed and exited 0, so torchrun exits 0, and rank 0
     # wrote summary.json.
-    res.returncode = proc.returncode
-    if proc.returncode != 0 and not res.error:
-        res.error = (f"torchrun exited {proc.returncode}: "
-                     + (stderr.strip().splitlines() or ["no output"])[-1])
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        s = json.loads(summary_path.read_text())
-        res.summary = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps", "world_size",
-                                             "device", "phase_seconds")}
+    res.returncode = t.returncode
+    if t.killed:
+        res.error = f"did not stop within {args.stop_timeout:g} s of SIGTERM; killed"
+    elif t.returncode != 0 and not res.error:
+        res.error = f"torchrun exited {t.returncode}: " + t.tail(1)
+    s = summary(run_dir)
+    res.summary = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps", "world_size",
+                                         "device", "phase_seconds")} if s else {}
     if start is None:
-        res.error = res.error or ("exited before the warm-up ended: "
-                                  + (stderr.strip().splitlines() or ["no output"])[-1])
+        res.error = res.error or "exited before the warm-up ended: " + t.tail(1)
         return res
     try:
-        res.__dict__.update(steady_state(run_dir, start, overlapping=algo.kind == "async"))
+        res.__dict__.update(steady_state(run_dir, start[0]))
         res.hours_50m = STEPS_50M / res.steady_sps / 3600
     except ValueError as e:
         res.error = res.error or str(e)
-    if not summary_path.is_file() and not res.error:
-        res.error = "no summary.json: the run did not stop cleanly: " + stderr.strip()[-300:]
+    if not s and not res.error:
+        res.error = "no summary.json: the run did not stop cleanly: " + t.tail(3)
     return res
 
 
@@ -360,9 +299,7 @@ def main() -> None:
             names.append(n)
     if not names:
         fail("none of the chosen configurations has its script on disk")
-    from benchmarks.throughput_parts.measure import hardware
-
-    hw = hardware(torch.device("cuda" if use_cuda else "cpu"))
+    hw = outputs.hardware(torch.device("cuda" if use_cuda else "cpu"))
     print(f"hardware: {hw['line']}", flush=True)
 
     results: list[Result] = []

@@ -52,10 +52,8 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +63,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
+from benchmarks.training import Training, command  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
 
-PPO = ROOT / "algos" / "ppo_multigpu.py"
 BATCH = 6_144  # samples per iteration (rl_games' ppo_pong_envpool.yaml: 24 actors x 256 steps)
 MIN_ENVS = 24  # rl_games' actors
 MINIBATCHES = 8  # per epoch (rl_games: minibatches of 768 from 6,144)
@@ -185,38 +183,6 @@ def check(args: Args) -> int:
     return cores
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group (it checkpoints and stops); SIGKILL after the grace."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=STOP_GRACE)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        proc.wait()
-
-
-def train(cmd: list[str], log: Path, budget_s: float) -> tuple[float, float, int, bool]:
-    """Run the training command for the budget; (launch time, seconds run, exit code, whether
-    the budget stopped it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "w") as f:
-        launched = time.time()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=budget_s)
-            stopped = False
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            stopped = True
-        except BaseException:  # Ctrl-C: leave no run behind
-            stop(proc)
-            raise
-    return launched, time.time() - launched, proc.returncode, stopped
-
-
 def evaluate(run_dir: Path, episodes: int, cuda: bool, log: Path) -> dict:
     """benchmarks/evaluate.py on the run's newest checkpoint; its eval.json's figures."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "evaluate.py"), str(run_dir),
@@ -287,36 +253,31 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def hardware(cuda: bool) -> tuple[str, str]:
-    """(device, hardware line) as the other benchmarks write it."""
-    import torch
-
-    from benchmarks.throughput_parts.measure import hardware as hw
-
-    device = "cuda" if cuda and torch.cuda.is_available() else "cpu"
-    return device, hw(torch.device(device))["line"]
-
-
 def main() -> None:
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     try:
         cores = check(args)
-        device, hw_line = hardware(args.cuda)
+        import torch
+
+        device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+        hw_line = outputs.hardware(torch.device(device))["line"]
         folder = out_folder(args, device)
     except UserError as e:
         fail(str(e))
     run_dir, log = folder / "run", folder / "train.log"
     flags = recipe(cores, args.envs_per_core) + (speed_flags(device) if args.speed_mode else [])
-    cmd = [sys.executable, str(PPO), "--env-id", args.env_id, "--seed", str(args.seed), *flags,
-           "--total-timesteps", str(10**10), "--eval-episodes", "0",
-           "--eval-max-steps", str(EVAL_MAX_STEPS), "--run-dir", str(run_dir),
-           *([] if device == "cuda" else ["--no-cuda"]), *shlex.split(args.extra)]
+    cmd = command("ppo_multigpu", [
+        "--env-id", args.env_id, "--seed", str(args.seed), *flags, "--total-timesteps",
+        str(10**10), "--eval-episodes", "0", "--eval-max-steps", str(EVAL_MAX_STEPS),
+        "--run-dir", str(run_dir), *([] if device == "cuda" else ["--no-cuda"]),
+        *shlex.split(args.extra)])
     print(f"{hw_line}\n$ {shlex.join(cmd)}\ntraining for {args.minutes:g} min; log {log}",
           flush=True)
-    launched, seconds, rc, stopped = train(cmd, log, args.minutes * 60)
-    if rc != 0 or not (run_dir / "summary.json").is_file():
-        last = (log.read_text().strip().splitlines() or ["(no output)"])[-1]
-        print(f"error: training exited {rc}: {last} (log {log})", file=sys.stderr)
+    run = Training(cmd, log).run(limit=args.minutes * 60, grace=STOP_GRACE)
+    launched, seconds, stopped = run.launched_at, run.seconds, run.stopped
+    if run.returncode != 0 or not (run_dir / "summary.json").is_file():
+        print(f"error: training exited {run.returncode}: {run.tail(1)} (log {log})",
+              file=sys.stderr)
         sys.exit(1)
 
     from benchmarks.plot import load_run

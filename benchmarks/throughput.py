@@ -57,8 +57,7 @@ from benchmarks.throughput_parts import cat_dqn as catdqn_part  # noqa: E402
 from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
 from benchmarks.throughput_parts import modes as modes_part  # noqa: E402
 from benchmarks.throughput_parts import ppo as ppo_part  # noqa: E402
-from benchmarks.throughput_parts.measure import hardware  # noqa: E402  # sets OMP_WAIT_POLICY
-from benchmarks.throughput_parts.measure import split_problem  # noqa: E402
+from benchmarks.throughput_parts.measure import split_problem  # noqa: E402  # sets OMP_WAIT_POLICY
 from common.flag_ranges import out_of_range  # noqa: E402
 import torch  # noqa: E402
 from common import envs  # noqa: E402
@@ -149,7 +148,7 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    hw = hardware(device)
+    hw = outputs.hardware(device)
     print(f"hardware: {hw['line']}", flush=True)
     results = {}
     for key, a in chosen.items():

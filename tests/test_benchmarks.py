@@ -328,11 +328,10 @@ def test_default_outputs_are_never_overwritten(tmp_path, monkeypatch):
 def test_phase_shares_leave_a_sampler_process_out_of_the_rest():
     """A synchronous run's phases take turns; a sampler process's (env, inference, its wait)
     overlap the learner's, so the time no phase took is what the learner's leave."""
-    from benchmarks.throughput_parts.measure import phase_shares
-    plain = phase_shares({"wall_seconds": 10.0, "phase_seconds": {"env": 2.0, "inference": 1.0,
-                                                                  "learn": 6.0}})
+    from benchmarks.training import phase_shares
+    plain = phase_shares({"env": 2.0, "inference": 1.0, "learn": 6.0}, 10.0)
     assert plain == pytest.approx({"env": 0.2, "inference": 0.1, "learn": 0.6, "other": 0.1})
-    overlapped = phase_shares({"wall_seconds": 10.0, "phase_seconds": {
-        "env": 1.0, "inference": 0.5, "sampler_wait": 8.0, "learn": 9.0, "learner_wait": 0.5}})
+    overlapped = phase_shares({"env": 1.0, "inference": 0.5, "sampler_wait": 8.0, "learn": 9.0,
+                               "learner_wait": 0.5}, 10.0)
     assert overlapped["other"] == pytest.approx(0.05) and overlapped["sampler_wait"] == 0.8
-    assert phase_shares({"wall_seconds": 0, "phase_seconds": {}}) is None
+    assert phase_shares({}, 0) is None

@@ -1,19 +1,11 @@
-"""What every part of benchmarks/throughput.py shares: the hardware line, timing that waits for
-the GPU at its edges, the end-to-end runner and the markdown table."""
+"""What every part of benchmarks/throughput.py shares: timing that waits for the GPU at its
+edges, the end-to-end run (benchmarks/training.py) and the markdown table."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
-import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -21,37 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts s
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.training import ROOT, Training, command, phase_shares, summary  # noqa: E402
 from common.trained import load_algo  # noqa: E402,F401  # the throughput parts' loader
-
-ROOT = Path(__file__).resolve().parents[2]
-PROGRESS = re.compile(r"step\s+([\d,]+)/")  # common.logger's per-iteration progress line
-
-
-def hardware(device: torch.device) -> dict:
-    """The machine a measurement runs on, with the one-line summary every benchmark writes
-    beside its numbers (the load average too: other work on the machine slows every number)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        cpu = names[0].strip() if names else cpu
-    except OSError:
-        pass
-    import ale_py
-
-    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if device.type == "cuda" else [])
-    hw = {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
-          "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-          "gpus": gpus, "torch": torch.__version__, "ale_py": ale_py.__version__,
-          "torch_threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0],
-          "env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
-                                                   "MKL_NUM_THREADS") if k in os.environ}}
-    hw["line"] = (f"{hw['cpu']}, {hw['cores']} cores"
-                  + (f", {len(gpus)} x {hw['gpu']}" if gpus else ", no GPU used")
-                  + f"; torch {hw['torch']} ({hw['torch_threads']} threads), ale-py {hw['ale_py']}"
-                  + "".join(f", {k}={v}" for k, v in hw["env_vars"].items())
-                  + f"; load average {hw['load_average_1min']:.1f} at the start")
-    return hw
 
 
 def sync(device: torch.device) -> None:
@@ -101,66 +64,25 @@ def random_rollout(n: int, num_actions: int, device: torch.device) -> dict:
 
 def run_e2e(script: str, flags: list[str], a, use_cuda: bool, run_dir: Path) -> dict:
     """Train algos/<script>.py (a.env_id, a.seed, a.torch_threads) for a.e2e_seconds after its
-    first progress line, then SIGINT it (its clean stop).
-
-    Steady-state steps/s is timed between progress lines (one per iteration, or per log
-    interval), so start-up and the first iteration are left out; summary.json's sps also counts
-    them and the final checkpoint. Phase shares are summary.json's phase_seconds over its
-    wall_seconds."""
-    cmd = [sys.executable, str(ROOT / "algos" / f"{script}.py"), "--env-id", a.env_id,
-           "--seed", str(a.seed), "--total-timesteps", str(10**12), "--run-dir", str(run_dir),
-           "--cuda" if use_cuda else "--no-cuda", *flags]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if a.torch_threads:
-        env["OMP_NUM_THREADS"] = str(a.torch_threads)
-    lines, start = [], time.perf_counter()  # (seconds since start, global step) per iteration
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
-        watchdog = threading.Timer(a.e2e_seconds + 600, proc.kill)  # never hang the benchmark
-        watchdog.start()
-        stop = None  # started at the first progress line
-        for line in proc.stdout:
-            m = PROGRESS.search(line)
-            if m:
-                lines.append((time.perf_counter() - start, int(m.group(1).replace(",", ""))))
-                if stop is None:
-                    stop = threading.Timer(a.e2e_seconds, proc.send_signal, [signal.SIGINT])
-                    stop.start()
-        proc.wait()
-        for timer in filter(None, (watchdog, stop)):
-            timer.cancel()
-        err.seek(0)
-        stderr = err.read()
-    out = {"cmd": " ".join(cmd[1:]), "returncode": proc.returncode, "iterations": len(lines),
-           "first_iteration_done_s": lines[0][0] if lines else None, "steady_sps": None}
-    if len(lines) >= 2:  # iteration 2 onwards: no start-up, no first-iteration warm-up
-        (t0, s0), (t1, s1) = lines[0], lines[-1]
-        out.update(steady_sps=(s1 - s0) / (t1 - t0), steady_seconds=t1 - t0, steady_steps=s1 - s0)
-    if len(lines) < 2 or proc.returncode != 0:
-        out["error"] = stderr.strip()[-2000:] or "fewer than 2 progress lines"
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        s = json.loads(summary_path.read_text())
+    first progress line, then stop it (benchmarks/training.py). Steady-state steps/s is timed
+    between progress lines (Training.steady); phase shares are summary.json's."""
+    cmd = command(script, ["--env-id", a.env_id, "--seed", str(a.seed), "--total-timesteps",
+                           str(10**12), "--run-dir", str(run_dir),
+                           "--cuda" if use_cuda else "--no-cuda", *flags])
+    env = {"OMP_NUM_THREADS": str(a.torch_threads)} if a.torch_threads else None
+    t = Training(cmd, env=env).run(
+        until=lambda t: bool(t.progress) and t.elapsed - t.progress[0][0] >= a.e2e_seconds,
+        limit=a.e2e_seconds + 600)  # never hang the benchmark
+    out = {"cmd": " ".join(cmd[1:]), "returncode": t.returncode, "iterations": len(t.progress),
+           "first_iteration_done_s": t.progress[0][0] if t.progress else None, **t.steady()}
+    if len(t.progress) < 2 or t.returncode != 0:
+        out["error"] = (t.tail(40)[-2000:] if t.returncode
+                        else "fewer than 2 progress lines: " + t.tail(3))
+    if s := summary(run_dir):
         out["summary"] = {k: s.get(k) for k in ("global_step", "wall_seconds", "sps",
                                                 "phase_seconds")}
-        out["phase_share"] = phase_shares(s)
+        out["phase_share"] = phase_shares(s.get("phase_seconds") or {}, s.get("wall_seconds"))
     return out
-
-
-SAMPLER_PHASES = ("env", "inference", "sampler_wait")  # a sampler process's, when it has one
-
-
-def phase_shares(summary: dict) -> dict | None:
-    """summary.json's phase_seconds over its wall_seconds, and "other": the wall time no phase
-    took. With a sampler process (APPO, --async-sampling: it logs sampler_wait) its phases
-    overlap the learner's, so "other" is what the learner's phases leave."""
-    wall, phases = summary.get("wall_seconds"), summary.get("phase_seconds") or {}
-    if not wall:
-        return None
-    own = [v for k, v in phases.items()
-           if "sampler_wait" not in phases or k not in SAMPLER_PHASES]
-    return {**{k: v / wall for k, v in phases.items()}, "other": 1 - sum(own) / wall}
 
 
 def split_problem(flag: str, sampler_cores) -> str | None:
