@@ -67,8 +67,7 @@ from benchmarks import atari_scores, outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
 from common import envs, evaluation  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
-from common.trained import (SCRIPTS, CheckpointError, build_network, find_checkpoint,  # noqa: E402
-                            load_algo, make_policy, read_checkpoint, run_args)
+from common.trained import CheckpointError, load  # noqa: E402
 FPS = 15  # 60 Hz emulator, one agent step per 4 frames
 SEED_TAG = 2 * 10**6  # training's evaluations use 10^6 (common/evaluation.py)
 
@@ -221,14 +220,9 @@ def check_flags(args: Args) -> None:
 
 def evaluate(args: Args) -> dict:
     check_flags(args)
-    ckpt = find_checkpoint(Path(args.path))
-    state = read_checkpoint(ckpt)
-    if state["script"] not in SCRIPTS:
-        raise UserError(f"checkpoint {ckpt} was written by {state['script']!r}, which "
-                        f"evaluate.py does not know (known: {', '.join(SCRIPTS)})")
-    script, kind = state["script"], SCRIPTS[state["script"]]
-    module = load_algo(script)
-    run = run_args(module, ckpt, state)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    agent = load(args.path, device)  # the same call a user's own script makes
+    ckpt, script, kind, run = agent.checkpoint, agent.script, agent.kind, agent.args
     if kind == "pg" and args.epsilon is not None:
         raise UserError(f"--epsilon is the DQN family's; {script} samples from its policy "
                         "(--greedy plays its most likely action)")
@@ -236,10 +230,7 @@ def evaluate(args: Args) -> dict:
         raise UserError("--greedy is epsilon 0: give --greedy or --epsilon, not both")
     epsilon = None if kind == "pg" else (
         0.0 if args.greedy else run.eval_epsilon if args.epsilon is None else args.epsilon)
-    try:
-        game = envs.ale_game(run.env_id)
-    except envs.EnvError as e:
-        raise UserError(str(e)) from None
+    game = envs.ale_game(run.env_id)  # load() made one: the id is good
     if args.video and game is None:
         raise UserError(f"--video records Atari games; {run.env_id} is not one")
     if not os.access(ckpt.parent, os.W_OK):  # before any game is played, not after
@@ -248,20 +239,8 @@ def evaluate(args: Args) -> dict:
     seed = run.seed if args.seed is None else args.seed
     num_envs = min(args.envs or run.eval_envs, args.episodes)
     run = dataclasses.replace(run, eval_envs=num_envs, eval_episodes=args.episodes)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    try:
-        env = evaluation.make_envs(run)
-    except envs.EnvError as e:
-        raise UserError(str(e)) from None
-    model = build_network(module, kind, state["model"], env.num_actions, run)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        env.close()
-        raise UserError(f"checkpoint {ckpt} does not fit {script}'s network on {run.env_id} "
-                        f"({env.num_actions} actions): {str(e).splitlines()[0]}") from None
-    model.to(device).eval()
-    policy = make_policy(kind, model, args.greedy, epsilon, num_envs, device)
+    env = agent.make_envs(num_envs)
+    policy = agent.policy(args.greedy, epsilon)
 
     torch.manual_seed(seed)
     seeds = envs.env_seeds(seed + SEED_TAG, 0, num_envs)
@@ -280,14 +259,14 @@ def evaluate(args: Args) -> dict:
     mean = statistics.fmean(returns)
     hns = atari_scores.human_normalised(run.env_id, mean) if game else None
     policy_name = ("greedy" if args.greedy else "sampled") if kind == "pg" else "epsilon-greedy"
-    print(f"{ckpt} ({script}, step {state.get('global_step', 0):,}) on {run.env_id}: "
+    print(f"{ckpt} ({script}, step {agent.global_step:,}) on {run.env_id}: "
           f"{len(returns)} game{'s' * (len(returns) != 1)}, {policy_name}"
           + (f" (epsilon {epsilon:g})" if epsilon is not None else "")
           + f", cap {run.eval_max_steps:,} steps, {wall:.1f} s on {device}")
     print(table(returns, lengths, hns))
     result = {
         "checkpoint": str(ckpt), "script": script, "env_id": run.env_id,
-        "global_step": state.get("global_step"), "episodes": len(returns),
+        "global_step": agent.global_step, "episodes": len(returns),
         "returns": returns, "lengths": lengths, "mean_return": mean,
         "std_return": float(np.std(returns)), "median_return": float(np.median(returns)),
         "min_return": min(returns), "max_return": max(returns),

@@ -1,21 +1,29 @@
-"""A trained network from a checkpoint: the script that wrote it, the run's flags, the network.
+"""A trained agent from a checkpoint, ready to play in your own code (docs/evaluate.md):
 
-What `benchmarks/evaluate.py` and the benchmarks load a run with. A checkpoint names its script
-("script"); the network is rebuilt from the weights and the run's flags (args.json beside
-checkpoints/; a flag it lacks takes the script's default, and a named --preset's values first).
-Problems a user can cause raise CheckpointError with a one-line message.
+    from common.trained import load
+    agent = load("runs/Pong-v5__ppo_multigpu__1__1765000000")  # a run directory or a step_*.pt
+    env = agent.make_envs(num_envs=2)          # the run's game and preprocessing, whole games
+    obs = env.reset(seeds=[0, 1])               # uint8 [2, 4, 84, 84]
+    env.send(agent.act(obs)); obs, reward, terminated, truncated, _ = env.recv()
+
+A checkpoint names its script ("script"); the network is rebuilt from the weights and the run's
+flags (args.json beside checkpoints/; a flag it lacks takes the script's default, and a named
+--preset's values first). `benchmarks/evaluate.py` loads with the same call. Problems a user can
+cause raise CheckpointError with a one-line message.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from common import checkpoint, runs
+from common import checkpoint, envs, evaluation, runs
 from common.exploration import epsilon_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +34,70 @@ SCRIPTS = {"a2c_multigpu": "pg", "ppo_multigpu": "pg", "appo_async": "pg",
 
 class CheckpointError(ValueError):
     """A path, checkpoint or run a user gave that cannot be loaded: the message says why."""
+
+
+@dataclass
+class Trained:
+    """A checkpoint's agent (`load`). `network`: the script's module, in eval mode on `device`;
+    `args`: the run's flags (the script's Args); `kind`: "pg" (A2C, PPO, APPO: a policy), "dqn"
+    or "c51" (epsilon-greedy on Q values)."""
+    script: str
+    kind: str
+    args: object
+    network: torch.nn.Module
+    checkpoint: Path
+    global_step: int
+    device: torch.device
+
+    def policy(self, greedy: bool = False, epsilon: float | None = None):
+        """obs uint8 [n, 4, 84, 84] on `device` -> actions [n], as the run's evaluations act: a
+        policy-gradient agent samples (greedy: its most likely action); the DQN family is
+        epsilon-greedy at `epsilon` (default the run's --eval-epsilon; greedy: 0)."""
+        if self.kind != "pg" and epsilon is None:
+            epsilon = 0.0 if greedy else self.args.eval_epsilon
+        return make_policy(self.kind, self.network, greedy, epsilon, self.device)
+
+    @torch.no_grad()
+    def act(self, obs: np.ndarray, greedy: bool = False,
+            epsilon: float | None = None) -> np.ndarray:
+        """Actions [n] (int64) for observations uint8 [n, 4, 84, 84] (numpy or torch)."""
+        obs = torch.as_tensor(obs, device=self.device)
+        return self.policy(greedy, epsilon)(obs).cpu().numpy()
+
+    def make_envs(self, num_envs: int = 1) -> envs.Envs:
+        """Environments of the run's game as its evaluations play it: whole games (episodic
+        lives off), FIRE after a lost life as the run had it, its sticky actions, games cut at
+        its --eval-max-steps. `reset(seeds)`, then `send(actions)` / `recv()` (common/envs.py)."""
+        return evaluation.make_envs(replace(self.args, eval_envs=num_envs,
+                                            eval_episodes=num_envs))
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> Trained:
+    """The agent of a checkpoint file, or of a run directory's newest good checkpoint."""
+    ckpt = find_checkpoint(Path(path))
+    state = read_checkpoint(ckpt)
+    script = state["script"]
+    if script not in SCRIPTS:
+        raise CheckpointError(f"checkpoint {ckpt} was written by {script!r}, which accelrl does "
+                              f"not know (known: {', '.join(SCRIPTS)})")
+    module = load_algo(script)
+    run = run_args(module, ckpt, state)
+    try:
+        probe = envs.make_envs(run.env_id, 1)[0]
+    except envs.EnvError as e:
+        raise CheckpointError(str(e)) from None
+    num_actions = probe.num_actions
+    probe.close()
+    network = build_network(module, SCRIPTS[script], state["model"], num_actions, run)
+    try:
+        network.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {ckpt} does not fit {script}'s network on "
+                              f"{run.env_id} ({num_actions} actions): "
+                              f"{str(e).splitlines()[0]}") from None
+    device = torch.device(device)
+    return Trained(script, SCRIPTS[script], run, network.to(device).eval(), ckpt,
+                   state.get("global_step", 0), device)
 
 
 @cache  # one module per script: two copies would hold two sets of dataclasses
@@ -114,7 +186,7 @@ def build_network(module, kind: str, weights: dict, num_actions: int,
 
 
 def make_policy(kind: str, model: torch.nn.Module, greedy: bool, epsilon: float | None,
-                num_envs: int, device: torch.device):
+                device: torch.device):
     """obs uint8 [n, 4, 84, 84] on device -> actions [n], as training's evaluations act: the
     policy-gradient scripts sample (greedy: argmax), the DQN family is epsilon-greedy."""
     if kind == "pg":
@@ -122,5 +194,4 @@ def make_policy(kind: str, model: torch.nn.Module, greedy: bool, epsilon: float 
             return lambda obs: model(obs)[0].argmax(1)
         return lambda obs: torch.distributions.Categorical(logits=model(obs)[0]).sample()
     q = model if kind == "dqn" else model.q_values
-    eps = torch.full((num_envs,), epsilon, device=device)
-    return lambda obs: epsilon_greedy(q(obs), eps[:len(obs)])
+    return lambda obs: epsilon_greedy(q(obs), torch.full((len(obs),), epsilon, device=device))

@@ -9,6 +9,7 @@ into the same runs (eval.json, eval-2.json...) and check only what they wrote th
 
 import json
 import os
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from tests.conftest import ROOT, run_python, run_script
+from tests.conftest import CHILD_ENV, ROOT, run_python, run_script
 
 from benchmarks import evaluate, plot  # noqa: E402
 
@@ -130,8 +131,8 @@ def fake_checkpoint(path, state: dict) -> None:
 @pytest.mark.parametrize("case, message", [
     ("no such path", "no such run directory or checkpoint:"),
     ("empty run", "no checkpoint (step_*.pt) in"),
-    ("unknown script", "was written by 'sac', which evaluate.py does not know"),
-    ("no sidecar, unknown script", "was written by 'sac', which evaluate.py does not know"),
+    ("unknown script", "was written by 'sac', which accelrl does not know"),
+    ("no sidecar, unknown script", "was written by 'sac', which accelrl does not know"),
     ("damaged", "no readable checkpoint in"),
     ("not torch", "unreadable"),
     ("video of Catch", "--video records Atari games; tests.catch_env:Catch-v0 is not one"),
@@ -191,3 +192,19 @@ def test_plot_of_ordinary_runs_names_a_run_without_games(runs, tmp_path, capsys,
         plot.main()
     written = sorted(p.name for p in (tmp_path / "checkout" / "runs" / "plots").iterdir())
     assert written == ["runs-2.csv", "runs-2.md", "runs-2.png", "runs.csv", "runs.md", "runs.png"]
+
+
+@pytest.mark.parametrize("script", ["ppo_multigpu", "dqn_multigpu"])
+def test_the_loading_example_of_the_docs_runs(script, runs):
+    """docs/evaluate.md's example, as written but for the run it loads, plays 8 games."""
+    page = (ROOT / "docs" / "evaluate.md").read_text()
+    code = page.split("## A trained agent in your own code")[1].split("```python\n")[1]
+    code = code.split("```")[0].replace("runs/Pong-v5__ppo_multigpu__1__1765000000",
+                                        str(runs[script]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **CHILD_ENV})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, last = proc.stdout.strip().splitlines()
+    assert first == f"{script} on {CATCH}, step 128"
+    score = float(last.removeprefix("mean score over 8 games: "))
+    assert -1 <= score <= 1  # Catch's scores are -1 or +1
