@@ -29,7 +29,7 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
     if presets:
         argv = _with_preset(cls, argv, presets)
     args = tyro.cli(cls, args=argv)
-    world = dist.setup(args.cuda, args.collective_timeout, args.backend)
+    world = dist.setup(args.cuda, args.collective_timeout, args.backend, args.torch_deterministic)
     script = Path(sys.modules[cls.__module__].__file__).stem
     found, error = None, None
     if world.is_main:

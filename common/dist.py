@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common import gpu
 from common.gpu import clock, set_gpu_habits
 
 if dist.is_available():
@@ -57,9 +58,11 @@ class World:
 IO_GRACE = 3600.0  # extra seconds a rank waits for another's checkpoint write
 
 
-def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
+def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto",
+          deterministic: bool = False) -> World:
     """Join torchrun's group (RANK, LOCAL_RANK, WORLD_SIZE; any number of machines) on this rank's
-    device. `timeout`: seconds a collective waits; `backend`: auto (NCCL on GPUs, else gloo)."""
+    device. `timeout`: seconds a collective waits; `backend`: auto (NCCL on GPUs, else gloo);
+    `deterministic`: --torch-deterministic (common/gpu.py)."""
     global _timeout, _made_group, _io_group
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -68,6 +71,8 @@ def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto") -> World:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL init, so each rank owns its own GPU
         set_gpu_habits()
+    if deterministic:
+        gpu.deterministic()
     torch.distributions.Distribution.set_default_validate_args(False)  # a host sync per check
     if "RANK" in os.environ and not dist.is_initialized():
         nccl = device.type == "cuda" and backend != "gloo"

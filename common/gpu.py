@@ -21,10 +21,19 @@ _compile = False  # something was compiled (compiled())
 _compiled: dict = {}  # fn -> its compiled version
 
 
-def set_gpu_habits() -> None:
-    torch.backends.cudnn.benchmark = True  # fixed input shapes: autotune each convolution once
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls and convolutions (Ampere+)
-    torch.backends.cudnn.allow_tf32 = True
+def set_gpu_habits(fast: bool = True) -> None:
+    torch.backends.cudnn.benchmark = fast  # fixed input shapes: autotune each convolution once
+    torch.backends.cuda.matmul.allow_tf32 = fast  # TF32 matmuls and convolutions (Ampere+)
+    torch.backends.cudnn.allow_tf32 = fast
+
+
+def deterministic() -> None:
+    """--torch-deterministic (CleanRL's flag): torch's deterministic algorithms (an op that has
+    none warns, naming itself), cuDNN's deterministic convolutions, no autotuning, no TF32."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first call
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    set_gpu_habits(fast=False)
 
 
 def compiled(fn, on: bool):
@@ -115,7 +124,9 @@ def adam(params, **kwargs) -> torch.optim.Adam:
 
 def switches() -> dict:
     """The performance switches in force, for summary.json."""
-    return {"cudnn_benchmark": torch.backends.cudnn.benchmark,
+    return {"deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "tf32_cudnn": torch.backends.cudnn.allow_tf32,
             "distribution_validation": torch.distributions.Distribution._validate_args,

@@ -45,6 +45,10 @@ class RunArgs:
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
+    torch_deterministic: bool = False
+    """deterministic algorithms, no cuDNN autotuning, no TF32 (CleanRL's flag): a synchronous run
+    repeats bit for bit on the same machine; off by default, as the GPU switches are faster
+    (docs/flags.md says what stays non-deterministic)"""
     compile: bool = False
     """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
     a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
