@@ -63,6 +63,12 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
 
     if problem := out_of_range(args, ranges):
         dist.fail(problem)
+    if args.track:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            dist.fail("--track sends the run to Weights & Biases, which is not installed: "
+                      "pip install wandb")
     if getattr(args, "alternate", False) and args.num_envs % 2:
         dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
                   f"got {args.num_envs}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -72,10 +73,11 @@ class Logger:
         self.restarts = saved.get("restarts", 0) + 1 if state else 0  # resumes of this run
         self.phase_total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.tty = sys.stdout.isatty()
-        self.writer = None
+        self.writer = self.tracked = None
         if world.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
+            self.tracked = track(args, run_dir) if args.track else None  # before the writer
             self.writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if state else None)
             if state is None:
                 table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -180,10 +182,35 @@ class Logger:
                      for k, v in asdict(self.args).items()},
         }
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2, default=str))
+        if self.tracked is not None:
+            self.tracked.summary.update({k: out[k] for k in (
+                "global_step", "sps", "episodes", "mean_return_last100", "eval_return")})
         return out
+
+    def video(self, path: Path, global_step: int) -> None:
+        """A recorded game (--capture-video), uploaded with --track."""
+        if self.tracked is not None:
+            import wandb
+            self.tracked.log({"videos/game": wandb.Video(str(path), format="mp4"),
+                              "global_step": global_step})
 
     def close(self) -> None:
         if self.writer is not None:
             if self.tty:
                 print()
             self.writer.close()
+        if self.tracked is not None:
+            self.tracked.finish()
+
+
+def track(args, run_dir: Path):
+    """--track (CleanRL's flags): a Weights & Biases run named after the run directory, its id
+    too (a resumed run continues it), the flags as its config, and TensorBoard's scalars synced
+    from the run's own writer (sync_tensorboard: logged once, copied). WANDB_MODE=offline keeps
+    it in run_dir/wandb/ for `wandb sync`."""
+    import wandb
+
+    return wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                      name=run_dir.name, id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[-64:],
+                      resume="allow", dir=str(run_dir), config=asdict(args),
+                      sync_tensorboard=True, save_code=False)

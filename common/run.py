@@ -45,6 +45,13 @@ class RunArgs:
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: NCCL on GPUs, gloo on CPUs; gloo also lets several ranks share one GPU"""
+    track: bool = False
+    """send the TensorBoard scalars, the flags and any videos to Weights & Biases (CleanRL's
+    flag; `pip install wandb` first; WANDB_MODE=offline keeps the run on disk for `wandb sync`)"""
+    wandb_project_name: str = "accelrl"
+    """the Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """the Weights & Biases team or user of --track (default: wandb's own)"""
     torch_deterministic: bool = False
     """deterministic algorithms, no cuDNN autotuning, no TF32 (CleanRL's flag): a synchronous run
     repeats bit for bit on the same machine; off by default, as the GPU switches are faster
