@@ -73,9 +73,13 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
         dist.fail(f"--alternate splits the environments in two halves: --num-envs must be even, "
                   f"got {args.num_envs}")
     try:
-        envs.ale_game(args.env_id)
+        game = envs.ale_game(args.env_id)
     except envs.EnvError as e:
         dist.fail(str(e))
+    if args.capture_video and (game is None or args.eval_episodes <= 0):
+        dist.fail(f"--capture-video records evaluation games of Atari: {args.env_id} is not one"
+                  if game is None else "--capture-video records evaluation games: give "
+                  "--eval-episodes > 0")
     return args, world
 
 

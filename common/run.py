@@ -32,6 +32,7 @@ import torch
 
 from common import checkpoint, cli, dist, evaluation, runs
 from common.logger import Logger, PhaseClock
+from common.video import VideoRecorder
 
 
 @dataclass
@@ -52,6 +53,9 @@ class RunArgs:
     """the Weights & Biases project of --track"""
     wandb_entity: str | None = None
     """the Weights & Biases team or user of --track (default: wandb's own)"""
+    capture_video: bool = False
+    """record the first game of evaluations 0, 1, 8, 27, ... (Gymnasium's RecordVideo schedule,
+    then every 1,000th) and of the final one into <run_dir>/videos/ (rank 0, Atari games)"""
     torch_deterministic: bool = False
     """deterministic algorithms, no cuDNN autotuning, no TF32 (CleanRL's flag): a synchronous run
     repeats bit for bit on the same machine; off by default, as the GPU switches are faster
@@ -145,6 +149,7 @@ class Run:
         self.phases = PhaseClock(self.device, sampler)  # `with run.phases("learn"):`
         self.saved_at = self.logged_at = global_step
         self.iteration, self.last_eval, self.sums, self.count = 0, None, {}, 0
+        self.evaluations = 0  # in this launch: the video schedule counts them
 
     def record(self, stats: dict[str, torch.Tensor | float]) -> None:
         """Statistics of one iteration (device tensors need no host sync), averaged over the
@@ -194,7 +199,7 @@ class Run:
         last = self.last_eval
         if self.eval_env and not self.signalled and (last is None
                                                      or last["global_step"] != global_step):
-            self._evaluate(global_step)
+            self._evaluate(global_step, final=True)
         self.logger.summary(global_step, self.last_eval, **summary)
         self.logger.close()
         for c in closables:
@@ -205,7 +210,7 @@ class Run:
     def _log(self, global_step, scalars, episodes, status, warmup_until) -> None:
         if self.eval_env and crossed(self.args.eval_interval, global_step, self.logged_at):
             with self.phases("eval"):
-                self._evaluate(global_step)
+                self._evaluate(global_step, final=global_step >= self.args.total_timesteps)
         out = scalars() if callable(scalars) else dict(scalars)
         if self.count:  # one host sync for all the recorded statistics
             means = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device)
@@ -215,9 +220,22 @@ class Run:
                         status=status() if status else "", warmup_until=warmup_until)
         self.logged_at, self.sums, self.count = global_step, {}, 0
 
-    def _evaluate(self, global_step: int) -> None:
-        result = evaluation.evaluate(self.policy, self.eval_env, self.args, self.world,
-                                     global_step)
+    def _evaluate(self, global_step: int, final: bool = False) -> None:
+        env, video = self.eval_env, None
+        if self.args.capture_video and self.world.is_main and (final or on_video_schedule(
+                self.evaluations)):
+            video = self.run_dir / "videos" / f"eval-step{global_step}.mp4"
+            video.parent.mkdir(exist_ok=True)
+            env = VideoRecorder(env, self.args, video)
+        try:
+            result = evaluation.evaluate(self.policy, env, self.args, self.world, global_step)
+            if video:
+                env.finish()
+                self.logger.video(video, global_step)
+        finally:
+            if video:
+                env.close()
+        self.evaluations += 1
         self.last_eval = self.logger.eval(global_step, result)
 
     def _save(self, global_step: int):
@@ -226,6 +244,12 @@ class Run:
                  "script": self.script}
         return checkpoint.save(self.run_dir, self.world, global_step, self.args.keep_checkpoints,
                                state, rank_state=self.rank_state() if self.rank_state else None)
+
+
+def on_video_schedule(k: int) -> bool:
+    """Gymnasium's RecordVideo default, capped_cubic_video_schedule (its module needs moviepy):
+    0, 1, 8, 27, ... 729, then every 1,000th."""
+    return round(k ** (1 / 3)) ** 3 == k if k < 1000 else k % 1000 == 0
 
 
 def crossed(interval: int, step: int, previous: int) -> bool:
