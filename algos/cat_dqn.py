@@ -40,7 +40,6 @@ from common import async_sampler, cli, dist, evaluation, gpu  # noqa: E402
 from common import replay_feed, replay_shard  # noqa: E402
 from common.exploration import epsilon_greedy, epsilons  # noqa: E402
 from common.grad_step import AllReduceStep  # noqa: E402
-from common.exploration import status as exploration_status  # noqa: E402
 from common.replay_feed import ReplayArgs  # noqa: E402
 from common.run import Run  # noqa: E402
 
@@ -279,11 +278,7 @@ def main() -> None:
         run.phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation, checkpoints, stop ----
-        if run.end_iteration(
-                global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
-                                      replay_shard.ratio(counters, args, world.world_size)},
-                feed.pop_episodes, warmup_until=counters["learn_from"],
-                status=lambda: exploration_status(acted, counters["learn_from"], global_step)):
+        if feed.end_iteration(run, global_step, acted, counters):
             break
     run.close(global_step, feed, eval_env, updates=counters["updates"],
               replay_bytes_per_transition=replay.bytes_per_transition())

@@ -139,11 +139,9 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
                                                           chosen["dqn"].sampler_cores)):
         raise UserError(problem)
     try:
-        probe = envs.make_envs(args.env_id, 1)[0]
+        num_actions = envs.num_actions(args.env_id)
     except envs.EnvError as e:
         raise UserError(str(e)) from None
-    num_actions = probe.num_actions
-    probe.close()
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -175,6 +175,13 @@ def fire_action(game: str) -> int | None:
     return actions.index(ale_py.Action.FIRE) if ale_py.Action.FIRE in actions else None
 
 
+def num_actions(env_id: str) -> int:
+    """The game's number of actions, from one environment (EnvError for an id that is none)."""
+    one = make_envs(env_id, 1)[0]
+    one.close()
+    return one.num_actions
+
+
 def make_envs(env_id: str, num_envs: int, *, groups: int = 1, episodic_life: bool = True,
               sticky_actions: bool = False, num_threads: int = 0, fire_reset: bool = True,
               max_episode_steps: int | None = None) -> list[Envs]:

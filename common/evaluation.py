@@ -34,10 +34,7 @@ def probe(args) -> tuple[int, envs.Envs | None]:
     environments, or None): a script checks its game with this before it writes anything, and a
     bad one ends the run in one line."""
     try:
-        one = envs.make_envs(args.env_id, 1, episodic_life=args.episodic_life)[0]
-        num_actions = one.num_actions
-        one.close()
-        return num_actions, make_envs(args)
+        return envs.num_actions(args.env_id), make_envs(args)
     except envs.EnvError as e:
         dist.fail(str(e))
 

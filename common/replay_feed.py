@@ -33,9 +33,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from common import dist, envs
+from common import dist, envs, replay_shard
 from common.async_sampler import AsyncSampler, SamplerDied
-from common.exploration import Explorer, act, epsilons
+from common.exploration import Explorer, act, epsilons, status
 from common.gpu import Upload
 from common.run import RunArgs
 from common.sampler import Sampler
@@ -165,6 +165,17 @@ class ReplayFeed:
             print(f"error: rank {self.rank}: {e}; ending the run", file=sys.stderr, flush=True)
             self.sampler.close()
             dist.finish(1)  # leaves the group (NCCL peers fail at once); no return
+
+    def end_iteration(self, run, global_step: int, acted: torch.Tensor, counters: dict) -> bool:
+        """`run.end_iteration` with the DQN family's log: the mean epsilon the rollout acted
+        with (`acted` [B]), the replay ratio so far, its games, and no ETA before learning
+        starts; True to stop."""
+        learn_from = counters["learn_from"]
+        return run.end_iteration(
+            global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
+                                  replay_shard.ratio(counters, run.args, run.world.world_size)},
+            self.pop_episodes, warmup_until=learn_from,
+            status=lambda: status(acted, learn_from, global_step))
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """Games finished since the last call: (true return, length in agent steps)."""

@@ -83,11 +83,9 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Trained:
     module = load_algo(script)
     run = run_args(module, ckpt, state)
     try:
-        probe = envs.make_envs(run.env_id, 1)[0]
+        num_actions = envs.num_actions(run.env_id)
     except envs.EnvError as e:
         raise CheckpointError(str(e)) from None
-    num_actions = probe.num_actions
-    probe.close()
     network = build_network(module, SCRIPTS[script], state["model"], num_actions, run)
     try:
         network.load_state_dict(state["model"])
