@@ -1,12 +1,9 @@
 """A2C on Atari, synchronous and data-parallel over GPUs; with --asynchronous, A3C on one machine.
 
-Advantage actor-critic (Mnih et al. 2016, arXiv 1602.01783) as run in "Accelerated Methods for
-Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811): one process per GPU, each
-driving 16 emulators with batched inference (Sec. 3.1), one optimizer step per 5-step rollout on
-gradients averaged over all GPUs (Sec. 3.2). A3C (Sec. 3.2, Table 2): each rank applies its own
-gradient to central RMSProp state in shared memory instead (common/grad_step.py). Settings follow
-OpenAI baselines' `a2c`; the learning rate across world sizes (--lr-scaling), TensorFlow's RMSprop
-epsilon and A3C's behaviour: docs/policy-gradient.md.
+Advantage actor-critic (Mnih et al. 2016) as run in "Accelerated Methods for Deep Reinforcement
+Learning" (Stooke & Abbeel 2018, Sec. 3): batched inference over 16 emulators per GPU, one step
+per 5-step rollout on gradients averaged over GPUs; A3C steps a central optimizer in shared memory
+instead. Settings: OpenAI baselines' `a2c`; the rest in docs/policy-gradient.md.
 
 Launch:
     python algos/a2c_multigpu.py --env-id Pong-v5                         # one process
@@ -27,16 +24,16 @@ from pathlib import Path
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.distributions import Categorical  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import central_optim, cli, dist, envs, evaluation, gpu, grad_step  # noqa: E402
-from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.run import Run, RunArgs  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
+from common import central_optim, cli, dist, envs, evaluation, gpu, grad_step
+from common.advantages import gae  # GAE, eq. 16 of Schulman et al. 2016
+from common.run import Run, RunArgs
+from common.sampler import Sampler
 
 
 @dataclass
@@ -108,13 +105,8 @@ class Agent(nn.Module):
 
 
 def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamma):
-    """n-step returns over a [T, B] rollout (A3C paper, Algorithm S3): for each step, the
-    discounted rewards up to the end of the rollout plus the discounted value of the state there.
-
-    At a termination the next state's value is 0. At a truncation it is the value of the true
-    last observation (final_values), since the episode would have gone on. Either way the sum
-    does not cross into the next episode. next_value [B] bootstraps the last step.
-    """
+    """n-step returns over a [T, B] rollout (A3C paper, Algorithm S3), bootstrapped from
+    next_value [B], 0 after a termination, the true last observation's value after a truncation."""
     returns = torch.empty_like(rewards)  # [T, B]
     running = next_value  # [B]: the return from the state after step t
     for t in reversed(range(rewards.shape[0])):
@@ -135,12 +127,8 @@ def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer
 
 def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Tensor, args: Args
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A2C's loss on a [T, B] rollout and the next observations [B] -> (loss, statistics); one
-    graph under --compile.
-
-    One forward pass gives the loss terms and the bootstrap value of next_obs; the parameters are
-    still those that sampled the rollout, so the values are on-policy.
-    """
+    """A2C's loss on a [T, B] rollout and next_obs [B] -> (loss, statistics): one forward pass,
+    by the parameters that sampled the rollout, gives the terms and the bootstrap value."""
     T, B = rollout["rewards"].shape
     obs = torch.cat([rollout["obs"].flatten(0, 1), next_obs])  # [(T + 1) * B, 4, 84, 84] uint8
     logits, values = agent(obs)
@@ -157,9 +145,7 @@ def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Ten
             returns = advantages + v
     returns, advantages = returns.flatten(), advantages.flatten()  # [T * B]
 
-    # A3C paper Sec. 4: the policy gradient weighted by the advantage (a constant here, so only
-    # the value loss trains the critic), a squared value error, and an entropy bonus that keeps
-    # the policy from collapsing early.
+    # A3C paper Sec. 4: advantage-weighted policy gradient, value error, entropy bonus
     pi = Categorical(logits=logits)
     pg_loss = -(advantages * pi.log_prob(rollout["actions"].flatten())).mean()
     v_loss = 0.5 * ((values - returns) ** 2).mean()
@@ -173,20 +159,14 @@ def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Ten
 
 def a2c_update(agent: Agent, step: grad_step.AllReduceStep, rollout: dict[str, torch.Tensor],
                next_obs: torch.Tensor, args: Args) -> tuple[dict[str, torch.Tensor], float]:
-    """One A2C step on this rank's [T, B] rollout; returns (stats as device tensors, comm seconds).
-
-    A2C: the gradient is averaged over ranks before clipping and the optimizer step, so with R
-    ranks the step sees R x T x B samples and every rank stays identical. A3C (a central `step`):
-    this rank's own clipped gradient goes into the central optimizer, whose new parameters it
-    pulls (common/grad_step.py). Nothing here waits for the device (no .item()).
-    """
+    """One step (all-reduced or central: common/grad_step.py) on this rank's [T, B] rollout;
+    returns (stats as device tensors, comm seconds)."""
     loss, stats = gpu.compiled(a2c_loss, args.compile)(agent, rollout, next_obs, args)
     grad_norm, comm = step(loss)
     return {**stats, "grad_norm": grad_norm}, comm
 
 
 def main() -> None:
-    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
     run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
     args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
@@ -217,7 +197,7 @@ def main() -> None:
     step = central_optim.make_step(agent, optimizer, run, asynchronous=args.asynchronous,
                                    max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
                                    **rule)
-    schedule_step = global_step  # A3C: the machine's step count at this rank's last rollout
+    schedule_step = global_step  # schedules' step (A3C: the machine's, at this rank's rollout)
 
     global_batch = batch_per_rank * world.world_size
     sampler = Sampler(env_groups, args.num_steps, device, clip_rewards=args.clip_rewards)
@@ -227,16 +207,12 @@ def main() -> None:
     def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
         return Categorical(logits=sample(obs)[0]).sample(), {}
 
-    # An iteration is only 80 steps per rank: the ranks meet to log (an all-gather, TensorBoard
-    # writes, the stop check) every ~2048 steps per rank, after this launch's iteration count.
     run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,
               log_every=max(1, 2048 // batch_per_rank), policy=lambda obs: policy(obs)[0],
               checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
                                   "asynchronous": args.asynchronous})
 
     while global_step < args.total_timesteps:
-        # On the global step, so that a resume goes on exactly (A3C: the machine's count, which
-        # equals `global_step` whenever the ranks meet)
         step.lr = base_lr * (max(0.0, 1.0 - schedule_step / args.total_timesteps)
                              if args.anneal_lr else 1.0)
 

@@ -1,22 +1,11 @@
 """Asynchronous PPO on Atari: sampling overlaps learning, and GPUs never wait for each other.
 
-APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv
-1803.02811, Sec. 3.2 and Table 2): PPO's clipped-surrogate loss (Schulman et al. 2017, arXiv
-1707.06347) with two asynchronies.
-1. Within a rank: a sampler process (common/async_sampler.py) runs the rank's environments with
-   batched inference (Sec. 3.1) on its own copy of the policy and fills shared-memory rollout
-   buffers while the learner trains on the previous one (older than --max-policy-lag: dropped).
-   A rollout's behaviour policy mu is thus a whole update behind the learner, so the loss is
-   decoupled PPO's (Hilton et al. 2021, arXiv 2110.00641): the clip is around the proximal
-   policy, the learner's own as the update starts, and mu enters only through the weight
-   pi_prox / mu. Clipping against mu (PPO's loss as is) cuts the gradient of most samples from
-   the first minibatch on (docs/results.md, "APPO and lag").
-2. Across ranks: central parameters and Adam state in the machine's shared memory
-   (common/central_optim.py). After each minibatch gradient a rank applies Adam to the central
-   copy chunk by chunk (--num-chunks), each under its own lock, whichever is free first, then
-   pulls the new parameters. There is no all-reduce: no rank waits for another's gradient.
-Ranks meet once per rollout (logging, signals, checkpoints), never inside an update. One machine
-only: for several, use ppo_multigpu.py.
+APPO from "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, Sec. 3.2,
+Table 2): PPO (Schulman et al. 2017) with two asynchronies. Within a rank, a sampler process
+(common/async_sampler.py) fills the next rollout while the learner trains, so the behaviour policy
+lags one update and the loss is decoupled PPO's (Hilton et al. 2021). Across ranks, each minibatch
+gradient steps a central Adam in shared memory (common/central_optim.py), no all-reduce. One
+machine; docs/policy-gradient.md says more.
 
 Launch:
     python algos/appo_async.py --env-id Pong-v5                           # one GPU (or the CPU)
@@ -34,18 +23,18 @@ from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.distributions import Categorical  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, central_optim, cli, dist, envs, evaluation  # noqa: E402
-from common import gpu, grad_step  # noqa: E402
-from common.async_sampler import AsyncSampler, SamplerDied  # noqa: E402
-from common.gpu import Upload  # noqa: E402
-from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.run import Run, RunArgs  # noqa: E402
+from common import async_sampler, central_optim, cli, dist, envs, evaluation
+from common import gpu, grad_step
+from common.async_sampler import AsyncSampler, SamplerDied
+from common.gpu import Upload
+from common.advantages import gae  # GAE, eq. 16 of Schulman et al. 2016
+from common.run import Run, RunArgs
 
 
 @dataclass
@@ -134,8 +123,7 @@ class Agent(nn.Module):
 
 
 def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sampler's policy (module-level: the sampler process unpickles it): obs uint8
-    [n, 4, 84, 84] -> actions [n], {logprob [n], value [n]}."""
+    """The sampler process's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob, value}."""
     logits, value = agent(obs)
     pi = Categorical(logits=logits)
     action = pi.sample()
@@ -174,9 +162,8 @@ def decoupled_pg_loss(logprob: torch.Tensor, behav_logprob: torch.Tensor,
 
 def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO's loss of one minibatch (obs [M, 4, 84, 84] uint8; actions, logprob,
-    prox_logprob, prox_value, advantages, returns [M]) -> (loss, statistics); one graph under
-    --compile. The value clip is around the proximal values."""
+    """Decoupled PPO's loss of one minibatch -> (loss, statistics); the value clip is around
+    the proximal values."""
     logits, value = agent(mb["obs"])
     pi = Categorical(logits=logits)
     new_logprob, behav_logprob = pi.log_prob(mb["actions"]), mb["logprob"]
@@ -190,8 +177,7 @@ def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
         v_loss = 0.5 * ((value - ret) ** 2).mean()
     entropy = pi.entropy().mean()
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
-    # KL estimators from http://joschu.net/blog/kl-approx.html
-    logratio = (new_logprob - mb["prox_logprob"]).detach()  # PPO's statistics without lag
+    logratio = (new_logprob - mb["prox_logprob"]).detach()  # joschu.net/blog/kl-approx
     behav_logratio = (new_logprob - behav_logprob).detach()  # what PPO's loss as is would clip
     ratio = ratio.detach()
     return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
@@ -206,14 +192,8 @@ def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
 
 def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torch.Tensor],
                 args: Args) -> tuple[dict[str, float], float]:
-    """PPO's epochs over this rank's flat batch, each minibatch gradient applied to the central
-    parameters; returns (stats, seconds waiting for chunks other ranks held).
-
-    ppo_multigpu.ppo_update, but with the decoupled loss (appo_loss): without lag (prox_* = the
-    behaviour's logprob and value) it is PPO's. No all-reduce: after each minibatch the rank
-    takes a central Adam step and pulls the result, whatever the other ranks applied meanwhile
-    included (Sec. 3.2).
-    """
+    """ppo_multigpu.ppo_update with appo_loss, each minibatch a central Adam step (Sec. 3.2);
+    returns (stats, seconds waiting for chunks other ranks held)."""
     adv = batch["advantages"]
     if args.norm_adv:  # this rank's statistics: global ones would make ranks wait for each other
         mean, sq = adv.mean(), (adv * adv).mean()
@@ -230,7 +210,7 @@ def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torc
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
             loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
-            waited += step(loss)[1]  # the central Adam step, then its parameters
+            waited += step(loss)[1]
             kls.append(stats["approx_kl"])
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
@@ -241,7 +221,6 @@ def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torc
 
 
 def main() -> None:
-    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
     run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
     args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
@@ -251,11 +230,9 @@ def main() -> None:
                   f"by --num-minibatches {args.num_minibatches}")
     if args.imp_samp_max != 0 and args.imp_samp_max < 1:
         dist.fail(f"--imp-samp-max must be 0 (no cap) or at least 1, got {args.imp_samp_max}")
-    cores = async_sampler.pin(args, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)
 
     # ---- set-up: model, central optimizer, sampler process ----
-    # The game checked here, in one line (the sampler process makes its own environments); the
-    # evaluation games are played by the learner, between its updates.
     num_actions, eval_env = evaluation.probe(args)
     torch.manual_seed(args.seed)  # same initial parameters on every rank
     agent = Agent(num_actions, args.precision, args.channels_last).to(device)
@@ -303,7 +280,7 @@ def main() -> None:
                     break
                 my_dropped += 1  # too stale: its importance weights would be extreme
                 sampler.release(i)
-            rollout = upload(sampler.rollout(i))  # one pinned copy to a GPU; CPU: no copy
+            rollout = upload(sampler.rollout(i))  # pinned copy to a GPU
             global_step += global_batch
 
             # ---- learning: GAE on the behaviour values, the proximal pass, PPO epochs ----

@@ -1,13 +1,10 @@
 """Categorical DQN (C51) on Atari at batch 2048, synchronous and data-parallel over GPUs.
 
-Distributional Q-learning (Bellemare, Dabney & Munos 2017, arXiv 1707.06887): for every action
-the network gives a distribution over --num-atoms returns on [--v-min, --v-max]; the target
-distribution of r + gamma^n Z(s', a') is projected back onto the atoms (their Algorithm 1) and
-the loss is the cross-entropy against it. As run in "Accelerated Methods for Deep Reinforcement
-Learning" (Stooke & Abbeel 2018, arXiv 1803.02811, Table 2: CatDQN-2K, the paper's best median
-score): the sampler, replay, schedules and evaluation of dqn_multigpu.py, on E[Z]. Rainbow's
-options (Hessel et al. 2018): --n-step, --double, --dueling, --prioritized (the cross-entropy as
-priority). Presets and their sources: docs/q-learning.md.
+Distributional Q-learning (Bellemare, Dabney & Munos 2017): a distribution over --num-atoms
+returns per action, trained by cross-entropy against the projected target (their Algorithm 1).
+As run in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, Table 2:
+CatDQN-2K) with dqn_multigpu.py's sampler and replay; Rainbow's --n-step, --double, --dueling,
+--prioritized. Presets and sources: docs/q-learning.md.
 
 Launch:
     python algos/cat_dqn.py --env-id Breakout-v5                          # one process
@@ -30,18 +27,18 @@ from pathlib import Path
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, cli, dist, evaluation, gpu  # noqa: E402
-from common import replay_feed, replay_shard  # noqa: E402
-from common.exploration import epsilon_greedy, epsilons  # noqa: E402
-from common.grad_step import AllReduceStep  # noqa: E402
-from common.replay_feed import ReplayArgs  # noqa: E402
-from common.run import Run  # noqa: E402
+from common import async_sampler, cli, dist, evaluation, gpu
+from common import replay_feed, replay_shard
+from common.exploration import epsilon_greedy, epsilons
+from common.grad_step import AllReduceStep
+from common.replay_feed import ReplayArgs
+from common.run import Run
 
 
 @dataclass
@@ -106,10 +103,10 @@ class C51Network(nn.Module):
     def __init__(self, num_actions: int, support: torch.Tensor, dueling: bool = False,
                  precision: str = "fp32", channels_last: str = "auto"):
         super().__init__()
-        self.precision = precision  # --precision of the torso and heads; logits are float32
+        self.precision = precision
         self.channels_last = channels_last
         self.A, self.K, self.dueling = num_actions, len(support), dueling
-        self.register_buffer("support", support.clone())  # z [K], also saved in checkpoints
+        self.register_buffer("support", support.clone())  # z [K], saved in checkpoints
         self.torso = nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
@@ -135,17 +132,9 @@ class C51Network(nn.Module):
 
 def project(probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor,
             support: torch.Tensor) -> torch.Tensor:
-    """C51's Algorithm 1, vectorised over the batch: the distribution of returns + discounts x Z,
-    where Z puts probs [N, K] on the atoms support [K], projected onto the same atoms [N, K].
-
-    Each shifted atom Tz = clamp(R + discount z_j, v_min, v_max) sits at fractional position
-    b = (Tz - v_min) / dz; its mass goes to its two neighbours l = floor(b) and l + 1 in
-    proportion to closeness. We take l = min(floor(b), K - 2) and always use l and l + 1: a Tz
-    exactly on atom k < K - 1 then gives weight 1 to k and 0 to k + 1, and Tz = v_max gives
-    weight 1 to K - 1, so the l == u case of Algorithm 1 (where both weights u - b and b - l are
-    0 and the mass would vanish) cannot arise. discount 0 (a termination, as the replay gives
-    it) collapses every atom onto the clamped return.
-    """
+    """C51's Algorithm 1, batched: returns + discounts x Z (probs [N, K] on support [K]) projected
+    onto the atoms [N, K]. l = min(floor(b), K - 2) and l + 1 always share the mass, so the
+    l == u case of Algorithm 1, where the mass would vanish, cannot arise (docs/q-learning.md)."""
     K = len(support)
     dz = (support[-1] - support[0]) / (K - 1)
     tz = (returns[:, None] + discounts[:, None] * support[None]).clamp(support[0], support[-1])
@@ -160,9 +149,8 @@ def project(probs: torch.Tensor, returns: torch.Tensor, discounts: torch.Tensor,
 
 def target_distribution(model: C51Network, target: C51Network, batch: dict[str, torch.Tensor],
                         double: bool) -> torch.Tensor:
-    """Projected target distribution [N, K] of R(n) + discount x Z_target(s', a'), discount =
-    gamma^m, or 0 after a termination (common/replay.py). a' = argmax_a E[Z_target(s', a)] (C51),
-    or argmax_a E[Z_online(s', a)] with --double (Rainbow)."""
+    """Projected target [N, K] of R(n) + discount x Z_target(s', a'), a' = argmax E[Z_target]
+    (C51) or argmax E[Z_online] with --double (Rainbow)."""
     with torch.no_grad():
         p_next = target(batch["next_obs"]).softmax(-1)  # [N, A, K]
         q_next = model.q_values(batch["next_obs"]) if double else (p_next * target.support).sum(-1)
@@ -173,9 +161,8 @@ def target_distribution(model: C51Network, target: C51Network, batch: dict[str, 
 
 def c51_loss(model: C51Network, target: C51Network, batch: dict[str, torch.Tensor], args: Args
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cross-entropy -sum_k m_k log p_k(s, a) against the projected target m (C51, Algorithm 1's
-    last line), weighted by the importance weights -> (loss, cross-entropies [N], log p(s, a)
-    [N, K]); one graph under --compile."""
+    """Importance-weighted cross-entropy against the projected target m (Algorithm 1's last
+    line) -> (loss, cross-entropies [N], log p(s, a) [N, K])."""
     m = target_distribution(model, target, batch, args.double)  # [N, K]
     logits = model(batch["obs"])  # [N, A, K]
     chosen = logits[torch.arange(len(m), device=m.device), batch["actions"]]  # [N, K]
@@ -186,13 +173,8 @@ def c51_loss(model: C51Network, target: C51Network, batch: dict[str, torch.Tenso
 
 def c51_update(model: C51Network, target: C51Network, step: AllReduceStep,
                batch: dict[str, torch.Tensor], args: Args):
-    """One step on this rank's batch; returns (stats, cross-entropies [N], comm seconds).
-
-    The gradient of c51_loss is averaged over ranks before clipping and the step, so R ranks on
-    R batches take the step one process takes on their union, and every rank stays identical.
-    The per-sample cross-entropy is the priority (Rainbow prioritises by the KL divergence, which
-    is this minus the target's entropy).
-    """
+    """One step on gradients averaged over ranks; returns (stats, cross-entropies [N]: the
+    priorities, as Rainbow's KL up to the target's entropy, comm seconds)."""
     loss, ce, log_p = gpu.compiled(c51_loss, args.compile)(model, target, batch, args)
     comm = step(loss)[1]
     q = (log_p.detach().exp() * model.support).sum(1)  # E[Z(s, a)] of the taken actions [N]
@@ -208,16 +190,16 @@ def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    run = Run(Args, presets=PRESETS)  # flags, the process group, the run to start or continue
+    run = Run(Args, presets=PRESETS)
     args, world, device = run.args, run.world, run.device
     cli.check_q_learning(args)
     if not args.v_min < args.v_max:
         dist.fail(f"--v-min must be below --v-max, got [{args.v_min}, {args.v_max}]")
-    cores = async_sampler.pin(args, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)
 
     # ---- set-up: model, optimizer, replay, resume ----
-    num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
-    new_replay = replay_shard.make(args, world)  # checks the size before anything is written
+    num_actions, eval_env = evaluation.probe(args)
+    new_replay = replay_shard.make(args, world)  # its size checked before anything is written
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms)  # z [K]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     model = C51Network(num_actions, support, args.dueling, args.precision,
@@ -231,20 +213,17 @@ def main() -> None:
         dist.fail(f"the checkpoint's support [{model.support[0]:g}, {model.support[-1]:g}] "
                   f"differs from --v-min {args.v_min:g} --v-max {args.v_max:g}: a run keeps "
                   "its atoms")
-    step = AllReduceStep(model, optimizer, args.max_grad_norm)  # the paper's synchronous step
+    step = AllReduceStep(model, optimizer, args.max_grad_norm)
     counters = replay_shard.counters(args, run.state)
     replay = replay_shard.restore_or_refill(new_replay, run.state, run.run_dir, world, args,
                                             counters)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    # Epsilon-greedy on E[Z], one epsilon per environment column; stepped here or in a sampler
-    # process
     feed = replay_feed.ReplayFeed(args, world, model,
                                   partial(C51Network, num_actions, support, args.dueling,
                                           args.precision, args.channels_last),
                                   "q_values", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
-    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
     run.begin(global_step, global_batch, eval_env=eval_env,
               log_every=max(1, 2048 // (args.num_steps * args.num_envs)),
               policy=lambda obs: epsilon_greedy(model.q_values(obs), eval_eps[:len(obs)]),
@@ -255,11 +234,11 @@ def main() -> None:
     while global_step < args.total_timesteps:
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, global_step, world.rank, world.world_size).to(device)
-        acted = feed.collect(eps, replay, run.phases)  # --async-sampling: earlier, older eps
+        acted = feed.collect(eps, replay, run.phases)
         global_step += global_batch
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        seconds = 0.0  # communication inside the updates
+        seconds = 0.0  # communicating
         with run.phases("learn"):
             if global_step >= counters["learn_from"] and replay.num_valid() > 0:  # on all ranks
                 beta = args.priority_beta + (1 - args.priority_beta) * min(
@@ -268,13 +247,13 @@ def main() -> None:
                                                         world.world_size)):
                     batch = replay.sample(args.batch_size, beta, device)
                     stats, ce, c = c51_update(model, target, step, batch, args)
-                    replay.update_priorities(batch["indices"], ce)  # Rainbow: the loss as priority
+                    replay.update_priorities(batch["indices"], ce)
                     seconds += c
                     run.record(stats)
             interval = args.target_update_interval  # in global steps (Nature, C51: in updates)
             if global_step // interval > (global_step - global_batch) // interval:
                 target.load_state_dict(model.state_dict())
-            feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
+            feed.publish()  # --async-sampling: to the sampler process
         run.phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation, checkpoints, stop ----

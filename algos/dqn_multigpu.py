@@ -1,15 +1,10 @@
 """DQN and its variants on Atari at large batch, synchronous and data-parallel over GPUs.
 
-Deep Q-learning (Mnih et al. 2015) with --double (van Hasselt et al. 2016), --dueling (Wang et
-al. 2016), --prioritized replay (Schaul et al. 2016) and --n-step returns, as run in
-"Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, arXiv 1803.02811,
-Table 2: DQN-512, eps-Rainbow-512): one process per GPU, batched epsilon-greedy inference over
-many emulators (Sec. 3.1), a shard of the frame-deduplicated replay on each GPU
-(common/replay.py), every update on gradients averaged over all GPUs (Sec. 3.2). Each iteration
-a rank steps its environments into its shard, then takes the updates --replay-ratio asks for.
---asynchronous: the paper's asynchronous DQN (central Adam in shared memory, one machine);
---async-sampling: a sampler process fills the next rollout while the rank learns. Presets,
-learning rate at batch 512, schedules and resume: docs/q-learning.md.
+Deep Q-learning (Mnih et al. 2015) with --double, --dueling, --prioritized and --n-step, as run
+in "Accelerated Methods for Deep Reinforcement Learning" (Stooke & Abbeel 2018, Table 2: DQN-512,
+eps-Rainbow-512): batched epsilon-greedy inference over many emulators, a replay shard per GPU,
+updates on gradients averaged over GPUs; --asynchronous: the paper's asynchronous DQN (central
+Adam, one machine). Presets, schedules, modes: docs/q-learning.md.
 
 Launch:
     python algos/dqn_multigpu.py --env-id Breakout-v5                     # one process
@@ -33,17 +28,17 @@ from pathlib import Path
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, central_optim, cli, dist, evaluation, gpu, grad_step  # noqa: E402
-from common import replay_feed, replay_shard  # noqa: E402
-from common.exploration import epsilon_greedy, epsilons  # noqa: E402
-from common.replay_feed import ReplayArgs  # noqa: E402
-from common.run import Run  # noqa: E402
+from common import async_sampler, central_optim, cli, dist, evaluation, gpu, grad_step
+from common import replay_feed, replay_shard
+from common.exploration import epsilon_greedy, epsilons
+from common.replay_feed import ReplayArgs
+from common.run import Run
 
 
 @dataclass
@@ -113,7 +108,7 @@ class QNetwork(nn.Module):
     def __init__(self, num_actions: int, dueling: bool = False, precision: str = "fp32",
                  channels_last: str = "auto"):
         super().__init__()
-        self.precision = precision  # --precision of the torso and heads; Q values are float32
+        self.precision = precision
         self.channels_last = channels_last
         self.torso = nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
@@ -154,13 +149,8 @@ def dqn_loss(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor], 
 
 def dqn_update(model: QNetwork, target: QNetwork, step: grad_step.AllReduceStep,
                batch: dict[str, torch.Tensor], args: Args):
-    """One step on this rank's batch; returns (stats, |TD errors| [N], comm or wait seconds).
-
-    The gradient of dqn_loss is averaged over ranks before clipping and the step, so R ranks on
-    R batches take the step one process would take on their union, and every rank stays
-    identical. Asynchronous (a central `step`): this rank's own clipped gradient goes into the
-    central Adam, whose new parameters it pulls (common/grad_step.py).
-    """
+    """One step (all-reduced or central: common/grad_step.py) on this rank's batch; returns
+    (stats, |TD errors| [N], comm or wait seconds)."""
     loss, q, y = gpu.compiled(dqn_loss, args.compile)(model, target, batch, args)
     comm = step(loss)[1]
     return {"td_loss": loss.detach(), "q_values": q.detach().mean()}, (q - y).detach().abs(), comm
@@ -175,7 +165,7 @@ def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    run = Run(Args, presets=PRESETS)  # flags, the process group, the run to start or continue
+    run = Run(Args, presets=PRESETS)
     args, world, device = run.args, run.world, run.device
     cli.check_q_learning(args)
     if args.asynchronous:
@@ -183,11 +173,11 @@ def main() -> None:
         if args.optimizer != "adam":
             dist.fail("--asynchronous steps with the central Adam: Nature's centered RMSProp has "
                       "no central form here; use --optimizer adam")
-    cores = async_sampler.pin(args, world)  # the learner takes the other cores
+    cores = async_sampler.pin(args, world)
 
     # ---- set-up: model, optimizer (all-reduced or central), replay, resume ----
-    num_actions, eval_env = evaluation.probe(args)  # the game is checked here, in one line
-    new_replay = replay_shard.make(args, world)  # checks the size before anything is written
+    num_actions, eval_env = evaluation.probe(args)
+    new_replay = replay_shard.make(args, world)  # its size checked before anything is written
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
     model = QNetwork(num_actions, args.dueling, args.precision, args.channels_last).to(device)
     target = copy.deepcopy(model)
@@ -204,13 +194,11 @@ def main() -> None:
     schedule_step = global_step  # asynchronous: the machine's step count at the last rollout
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    # Epsilon-greedy, one epsilon per environment column; stepped here or in a sampler process
     feed = replay_feed.ReplayFeed(args, world, model,
                                   partial(QNetwork, num_actions, args.dueling, args.precision,
                                           args.channels_last),
                                   "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
-    # Log and meet (an all-gather, an all-reduce) every ~2048 steps per rank, on every rank alike
     run.begin(global_step, global_batch, eval_env=eval_env,
               log_every=max(1, 2048 // (args.num_steps * args.num_envs)),
               policy=lambda obs: epsilon_greedy(model(obs), eval_eps[:len(obs)]),  # evaluation
@@ -222,13 +210,13 @@ def main() -> None:
     while global_step < args.total_timesteps:
         # ---- sampling: T steps of B envs, epsilon-greedy, then into this rank's replay ----
         eps = epsilons(args, schedule_step, world.rank, world.world_size).to(device)
-        acted = feed.collect(eps, replay, run.phases)  # --async-sampling: earlier, older eps
+        acted = feed.collect(eps, replay, run.phases)
         global_step += global_batch
         seen, schedule_step = schedule_step, step.count(args.num_steps * args.num_envs,
                                                         global_step)
 
         # ---- learning: as many updates as the replay ratio implies, on averaged gradients ----
-        seconds = 0.0  # communication inside the updates
+        seconds = 0.0  # communicating
         with run.phases("learn"):
             # Independent (asynchronous) ranks meet only to log: one that got a signal skips its
             # updates (no step is credited) to reach the meeting within torchrun's 30 s grace.
@@ -247,7 +235,7 @@ def main() -> None:
             if schedule_step // interval > seen // interval:  # asynchronous: each rank sees each
                 step.refresh()  # asynchronous: the other ranks' updates too, even with none here
                 target.load_state_dict(model.state_dict())
-            feed.publish()  # --async-sampling: parameters and epsilons for the next rollouts
+            feed.publish()  # --async-sampling: to the sampler process
         run.phases.add("comm", seconds, taken_from="learn")
 
         # ---- logging, evaluation, checkpoints, stop ----

@@ -23,18 +23,18 @@ from pathlib import Path
 from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.distributions import Categorical  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributions import Categorical
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import cli, dist, envs, evaluation, gpu  # noqa: E402
-from common.advantages import gae  # noqa: E402  # GAE, eq. 16 of Schulman et al. 2016
-from common.grad_step import AllReduceStep  # noqa: E402
-from common.run import Run, RunArgs  # noqa: E402
-from common.running_norm import RunningNorm  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
+from common import cli, dist, envs, evaluation, gpu
+from common.advantages import gae  # GAE, eq. 16 of Schulman et al. 2016
+from common.grad_step import AllReduceStep
+from common.run import Run, RunArgs
+from common.running_norm import RunningNorm
+from common.sampler import Sampler
 
 
 @dataclass
@@ -221,7 +221,6 @@ def ppo_update(agent: Agent, step: AllReduceStep, batch: dict[str, torch.Tensor]
 
 
 def main() -> None:
-    # flags (0 would clip every gradient to 0), the process group, the run to start or continue
     run = Run(Args, ranges={"max_grad_norm": cli.POSITIVE})
     args, world, device = run.args, run.world, run.device
     batch_per_rank = args.num_envs * args.num_steps
