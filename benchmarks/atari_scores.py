@@ -1,18 +1,6 @@
 """Random and human reference scores of the 57 Atari games, for human-normalised scores.
 
-    human-normalised score = (agent - random) / (human - random)
-
-Source: the 57-game table as tabulated in Badia et al. 2020, "Agent57: Outperforming the Atari
-Human Benchmark" (arXiv 2003.13350), appendix (the columns "Random" and "Human"), which is the
-table the Rainbow, Ape-X and R2D2 papers use. Its random scores and its human scores for 49 games
-come from the DQN Nature paper (Mnih et al. 2015, Extended Data Table 2: a uniform random policy
-and a professional human games tester, 5 minutes of play per game after up to 30 no-ops); the
-human scores of the other 8 games (Berzerk, Defender, Phoenix, Pitfall, Skiing, Solaris,
-Surround, YarsRevenge) come from Wang et al. 2016 (dueling networks, arXiv 1511.06581) and van
-Hasselt et al. 2016. Note: the Nature table itself prints different human scores for a few games
-(Pong 9.3, Breakout 31.8); the later papers, and this table, use 14.6 and 30.5.
-
-Keys are the game names as ale-py and Gymnasium spell them (`Pong` in `Pong-v5`).
+More: docs/benchmarks.md, `benchmarks/atari_scores.py`.
 """
 
 from __future__ import annotations

@@ -3,36 +3,7 @@
     python benchmarks/evaluate.py RUN_DIR_OR_CHECKPOINT [--episodes 10] [--epsilon E] [--greedy]
                                   [--video PATH.mp4] [--seed S] [--envs N] [--no-cuda]
 
-Any of the five scripts' checkpoints: a run directory means its newest checkpoint that passes its
-checksum (damaged newer ones are named and skipped). The network is rebuilt from the
-checkpoint's "script" and the run's flags (args.json beside checkpoints/; a flag it lacks takes
-the script's default, and a named --preset's values first), and the games are played by
-common/evaluation.py exactly as the run's own evaluations are: whole games with all lives
-(episodic lives off), FIRE after each lost life as the run had it (--fire-reset), the run's
-sticky actions, and games cut at the run's --eval-max-steps (the 5-minute cap) counted with
-their score so far. The game is the checkpoint's own env_id.
-
-Policy, as in training's evaluations: the DQN family (dqn_multigpu, cat_dqn) is epsilon-greedy at
-the run's --eval-epsilon (--epsilon E overrides it, --greedy is epsilon 0); the policy-gradient
-scripts (a2c_multigpu, ppo_multigpu, appo_async) sample from their policy (--greedy: argmax).
-
-Seeds: environment seeds come from --seed (default: the run's --seed) through the same
-derivation as training's, tagged apart from it (training uses the tags (seed, rank, step), its
-evaluations (seed + 10^6, rank, step); this script (seed + 2 x 10^6, 0, 0)), so these games are
-none of the ones the run saw, and the same command plays the same games again. The action
-sampling is seeded from --seed too.
-
-Output: a markdown table (mean, std, median, min, max, games, mean length and, for Atari games,
-the human-normalised mean score from benchmarks/atari_scores.py), and eval.json in the
-checkpoint's folder with every game's return and length. An existing eval.json is never
-replaced: the next free name eval-2.json, eval-3.json, ... is taken, and the name printed.
-
---video PATH.mp4 (Atari ids only) records the first game (evaluation environment 0's) with
-common/video.py's writer, as the scripts' --capture-video does; its score and length are checked
-against environment 0's first game (a warning if they differ).
-
-Problems a user can cause (no such path, no checkpoint, a damaged or foreign checkpoint, an
-unknown script, a video path that exists) end with one line on stderr and exit code 2.
+More: docs/benchmarks.md, `benchmarks/evaluate.py`.
 """
 
 from __future__ import annotations

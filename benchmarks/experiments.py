@@ -3,33 +3,7 @@
     python benchmarks/experiments.py NAME [--games ...] [--seeds ...] [--parallel N]
                                           [--print-commands] [--only CONFIG ...]
 
-Experiments (each configuration is a row of benchmarks/registry.py plus its own flags):
-  many-envs      does learning survive massively parallel sampling? PPO with 8 environments per
-                 rank (its standard) against 64, A2C with 16 against 256; policy-gradient budget
-                 of the paper, 25M steps.
-  batch-size     do large batches keep sample efficiency? DQN at batch 32 and 512 and C51 at 2048,
-                 all at replay ratio 8 (the Adam epsilon follows the authors' 0.01 / batch rule);
-                 the paper's DQN budget, 50M steps.
-  sync-vs-async  A2C against A3C, PPO against APPO and DQN-512 against asynchronous DQN-512
-                 (paper Sec. 3.2), to be plotted against wall-clock time (plot.py draws both
-                 axes); 25M steps for all six (half the paper's DQN budget: the pairs compare
-                 at equal steps).
-  smoke          every configuration above, tiny (the registry's smoke flags: a few hundred to a
-                 few thousand steps), on the synthetic Catch game: the whole pipeline on a CPU in
-                 minutes.
-Default games: the paper's learning-curve games, as far as we know them without the PDF at
-hand (BeamRider, Breakout, Pong, Qbert, Seaquest, SpaceInvaders); `--games atari49` runs the 49
-games of the paper's median human-normalised scores (`atari57`: all 57). Default seeds 1 2 3.
-
-Each run is `python algos/<script>.py ... --run-dir RUNS/NAME/<game>/<config>/seed<k>
---resume auto`: a finished run (its summary.json exists and reached the run's total: a run
-stopped by a signal writes one too) is skipped, an interrupted one continues from its newest
-checkpoint, so the sweep can be stopped and restarted. `--parallel N` runs N at a time, each
-pinned to its own GPU(s) through CUDA_VISIBLE_DEVICES when there are GPUs; output goes to
-RUNS/NAME/logs/ (appended to: a restarted run's log keeps its earlier attempts). Ctrl-C (or
-SIGTERM) stops the running runs with a checkpoint (each gets one SIGTERM) and the same command
-later continues them. `--print-commands` prints one shell line per unfinished run instead (for
-a job array or GNU parallel). Plot with `python benchmarks/plot.py RUNS/NAME`.
+More: docs/benchmarks.md, `benchmarks/experiments.py`.
 """
 
 from __future__ import annotations

@@ -5,56 +5,7 @@
                                                           # 2 cores about 200 s of CPU time
     python benchmarks/gpu_check.py --steps ppo dqn --timeouts dqn=120
 
-On a machine with one GPU and 16 cores, the first line takes at most 8 minutes (give it a
-command timeout of 600 s): the step timeouts below add up to 8 minutes, the rest is start-up.
-Each step runs in its own process group under its own timeout (a step is `gpu_check.py --step
-NAME`, this file run again), so a crash or a hang costs that step only: the others still run,
-and the exit code is 1 if any step failed or timed out.
-
-Steps (--steps picks a subset; the ratios need `ale`, which measures the ceiling):
-  sprint     benchmarks/sprint.py: PPO's sprint recipe on Pong for 3 minutes from launch (4 envs
-             per core, at least 24), minutes to a mean score of 18 and 20 over 100 games, and a final
-             evaluation of 4 whole games (--quick: 15 s on the synthetic Catch game, targets
-             -1 and -0.95 over 20 games, which a random policy reaches: the path, not learning)
-  ale        raw ALE on all cores (AtariVectorEnv, random actions, 4 envs per core), and the
-             sampler with a trivial policy on the same envs, in interleaved blocks: the ceiling
-             every other rate is compared with (benchmarks/throughput.py's ppo part, raw only)
-  sampler    the sampler with PPO's network, plain and alternating, and PPO's learner
-  modes      PPO's learner in fp32 eager, bf16, channels-last, compiled and all three, at its
-             default batch (throughput.py's modes part; the same on a CPU with --quick)
-  ppo, a2c   end to end, plain and --alternate, on the ceiling's envs
-  dqn        sampling 512 from a 1M replay on the GPU against one DQN-512 update, the learners,
-             and dqn_multigpu.py end to end with --replay-device auto --prioritized (GPU: also
-             --replay-device cpu, the pinned one-copy upload and priorities' way back); then
-             --async-sampling's overlap (throughput.py's dqn-async part, unpinned: the GPU
-             learns while the cores step): sampling alone, learning alone, end to end
-  catdqn     C51's projection at 2048 against Algorithm 1, its learners, cat_dqn.py end to end
-  appo       APPO's sampler process alone, its learner with central Adam alone, APPO end to end
-             beside PPO (throughput.py's appo part, unpinned: the GPU against the cores)
-  resume     1 rank under torchrun on the GPU with a checkpoint, resumed with --no-cuda on the
-             CPU to a larger --total-timesteps (checked: "resumed from", summary's global_step)
-  two_ranks  2 torchrun ranks sharing the one GPU over gloo (--backend gloo; NCCL refuses it)
-Measurements come from benchmarks/throughput.py (run_parts) and throughput_parts/measure.py
-(run_e2e: steady steps/s over progress lines 2+, phase shares from summary.json); this file only
-chooses sizes, runs the steps and collects one table.
-
-Targets (figures to read, not tests):
-  PPO and A2C end to end >= 70% of the ALE ceiling measured in the same run;
-  alternating >= 1.3x plain where inference and simulation take similar time (see the phases);
-  PPO's learner per minibatch step >= 1.6x fp32 eager in bf16, >= 3x in the best mode;
-  DQN-512 and CatDQN-2048 updates/s; sampling 512 from 1M on the GPU < 5% of an update;
-  DQN --async-sampling end to end >= 0.9 x min(sampling alone, learning alone).
-
-Output: one JSON and one markdown table, gpu-check-<host>-<device>.{json,md}, and a folder of the
-same name (each step's log, its result, the training runs) in --out (default runs/benchmarks/).
-No existing file is overwritten: a taken name becomes -2, -3, ... (benchmarks/outputs.py). Both
-files are rewritten after every step, so a run cut short still leaves the steps done. The table
-is printed at the end: per measurement its step's status and seconds, steps/s, ratio to the
-ceiling, phase shares, GPU memory (torch.cuda.max_memory_allocated of the step's process for
-in-process work; a training run's summary.json "gpu_memory_bytes" where it writes one), and the
-hardware line (GPU, cores, torch, CUDA, driver).
-
-Test hook: GPU_CHECK_FAIL_STEP=NAME makes that step fail at its start (tests/test_gpu_check.py).
+More: docs/benchmarks.md, `benchmarks/gpu_check.py`.
 """
 
 from __future__ import annotations

@@ -3,41 +3,7 @@
     python benchmarks/plot.py runs/experiments/many-envs [more folders ...] [--out DIR]
     python benchmarks/plot.py RUN_DIR [RUN_DIR ...] [--out DIR]
 
-Two modes, by what the paths are. Folders to search (experiments.py's layout, below) give one
-curve per configuration over its seeds. Paths that are all run directories themselves (each has
-summary.json or TensorBoard events) give one curve per run ("Ordinary runs", at the end).
-
-Finds every run under the given paths (a directory with summary.json or TensorBoard events) and
-reads it with TensorBoard's EventAccumulator and its summary.json. A run's game is its --env-id;
-its configuration is the parent folder's name for experiments.py's layout (<config>/seed<k>),
-the script's name for a default run directory (<env>__<script>__<seed>__<time>), else the
-folder's own name.
-
-Curves (one PNG per game, <out>/<game>.png, and every plotted point in <out>/curves.csv): the
-true game score (charts/episodic_return: unclipped, all lives) as the running mean over each
-run's last --window games (100, as summary.json's mean_return_last100), against environment
-steps and against wall-clock hours since the run's first event. Per configuration, the line is
-the mean over seeds and the band spans the seeds' minimum to maximum (each seed interpolated
-linearly), from the earliest first to the earliest last point of the seeds (a curve ends where
-its shortest seed ends), at the runs' own logging points thinned to at most --points. Wall-clock
-hours include any pause of a resumed run.
-
-Scores: a run's final score is summary.json's mean_return_last100; each run's row names its
-folder and how it ended (finished, stopped by a signal before its --total-timesteps, or without
-a summary.json: crashed, killed or still running). Human-normalised score =
-(score - random) / (human - random) with the reference scores in benchmarks/atari_scores.py; per
-configuration and game, the mean over seeds; per configuration, the median over its games (the
-paper's summary statistic). Printed as markdown and written to <out>/scores.md; games without
-reference scores (Catch) get raw scores only.
-
-Ordinary runs: one figure, <out>/runs.png (default out: runs/plots/ in the checkout, never
-benchmarks/results/), with a line per run: the training score (the running mean over --window
-games, as above) and, when a run evaluated, its evaluations' mean score (charts/eval_return), each
-against environment steps and against hours. Every plotted point goes to runs.csv and the
-per-run table (steps, games, last-100 score, last evaluation, human-normalised, how it ended) to
-runs.md, and is printed. A run that has not finished a game yet has no curve to draw: it is named in a note
-on the figure and in the table, not left out. Nothing is overwritten: when any of runs.png,
-runs.csv or runs.md exists, the three are runs-2.*, then runs-3.*, and so on.
+More: docs/benchmarks.md, `benchmarks/plot.py`.
 """
 
 from __future__ import annotations
@@ -363,7 +329,7 @@ def run_table(runs: list[RunData], labels: list[str], window: int) -> str:
 
 
 def plot_run_dirs(args: Args, paths: list[Path]) -> None:
-    """Ordinary runs: one curve per run (module docstring)."""
+    """Ordinary runs: one curve per run (docs/benchmarks.md)."""
     folder = Path(args.out) if args.out else ROOT / "runs" / "plots"
     folder.mkdir(parents=True, exist_ok=True)
     stem = outputs.unused(folder / "runs", (".png", ".csv", ".md"))

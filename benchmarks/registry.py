@@ -1,22 +1,6 @@
 """The one table of algorithm configurations the paper-reproduction benchmarks launch.
 
-`ALGOS` maps a configuration's name (a row of the paper's Table 2) to its script and flags.
-benchmarks/scaling.py, benchmarks/experiments.py and benchmarks/plot.py all read it, so adding a
-script is one line here. Fields:
-  script      algos/<script>.py; a configuration whose script is not on disk is skipped with a note
-  kind        how its global step advances per iteration (ITERATION below): the scaling benchmark
-              uses it to know when a run is past its warm-up
-  flags       what makes the configuration (a preset, a batch size); used everywhere
-  scale       added for scaling runs: what a pure throughput measurement needs (no evaluation)
-  cpu         added for scaling runs on a machine without GPUs (a replay that fits in host memory,
-              learning after a short fill), so that 1 and 2 ranks finish in minutes
-  smoke       added for the smoke experiment and the tests: tiny and fast on a CPU
-  paper_hours Table 2: hours for 50M steps (200M frames) on 1, 2, 4, 8 P100 GPUs of a DGX-1
-              (5 CPU cores per GPU); None where the paper has no number
-  paper_median median human-normalised score over 49 games (DQN family 50M steps, policy
-              gradient 25M steps); None where the paper gives none
-dqn_multigpu.py and cat_dqn.py share the DQN-family flags (--preset, --batch-size,
---replay-ratio, --learning-starts, --replay-size, --eval-interval).
+More: docs/benchmarks.md, `benchmarks/registry.py`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Scaling: the paper's Table 2 (hours for 50M steps on 1, 2, 4, 8 GPUs) measured on this machine.
 
-Each chosen configuration (benchmarks/registry.py) is launched under torchrun at each rank count
-with a huge --total-timesteps and trained for `--warmup` seconds after its first progress line
-(and, for replay-based scripts, until learning has started), then for `--seconds` more; then it
-stops cleanly (benchmarks/training.py), or is killed `--stop-timeout` seconds later.
-
-Steady-state steps/s comes from the run's TensorBoard events (charts/SPS, one per logging
-interval; TensorBoard's EventAccumulator, the wall time of each event): the global steps between
-the first logging event after the warm-up and the last one, over the wall time between them.
-Phase shares are the run's time/* scalars (env, inference, learn, comm; APPO also sampler_wait,
-learner_wait) summed over the same intervals, over that wall time, and "other" the rest
-(training.phase_shares: for APPO, env and inference are the sampler process's, so its shares
-may add up to more than 1). On the CPU each rank gets cores / ranks torch threads
-(OMP_NUM_THREADS, unless it is set). Projected hours = 50M / steps/s / 3600; speed-up = steps/s
-over the 1-rank (or smallest) rank count's; efficiency = speed-up / (ranks / that rank count).
-
-Rank counts: default 1, 2, 4, 8, each skipped with a one-line note when it does not fit: more
-ranks than GPUs (with --cuda on a GPU machine) or than CPU cores (on the CPU, gloo ranks).
-
-Run:
-    python benchmarks/scaling.py                                  # every configuration, GPUs
-    python benchmarks/scaling.py --algos a2c ppo --ranks 1 2 4 8 --env-id Breakout-v5
-    python benchmarks/scaling.py --no-cuda --ranks 1 2 --warmup 20 --seconds 40   # a CPU check
-Outputs (--out PREFIX, default runs/benchmarks/scaling-<host>-<device>, numbered -2, -3, ...
-where that exists: see benchmarks/outputs.py): PREFIX.json (every number, the commands, the
-hardware line), PREFIX.md (the table, laid out as the paper's Table 2 with the paper's hours
-beside ours), PREFIX.png (steps/s against ranks, with the ideal line).
+More: docs/benchmarks.md, `benchmarks/scaling.py`.
 """
 
 from __future__ import annotations

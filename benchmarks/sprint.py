@@ -2,47 +2,10 @@
 
     python benchmarks/sprint.py --minutes 3                      # one GPU: Pong, 4 envs per core
     python benchmarks/sprint.py --minutes 60 --no-cuda           # a CPU: the same recipe
-    python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \\
+    python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \
         --targets 0 0.9 --window 20 --extra "--num-steps 32 --learning-rate 1e-3"
 
-The recipe (`recipe()`; docs/results.md, "Pong in minutes") is algos/ppo_multigpu.py with
-rl_games' Pong settings (its ppo_pong_envpool.yaml: 18.1 at 1.06M steps in envpool's demo), sized
-for the cores, each with its source:
-  environments   4 per core (--envs-per-core; cores: those this process may use), at least 24
-                 (rl_games' actors): 24 on 2 cores, 64 on 16; enough per emulator thread that
-                 none waits on a slow one (gpu_check.py's ceiling uses 4)
-  batch          about 6,144 samples per iteration (rl_games: 24 actors x 256 steps): the
-                 rollout is 6,144 / envs steps, rounded up to a multiple of 8 (256 on 2 cores,
-                 96 on 16), so the samples per update stay rl_games' at any core count
-  minibatches    8 per epoch, 768 samples each at 24 x 256, 3 epochs (rl_games)
-  clipping       0.2, no value clipping (rl_games; CleanRL's envpool Pong recipe also clips 0.2)
-  learning rate  3e-4 with rl_games' adaptive schedule, KL threshold 0.01 (--kl-threshold):
-                 / 1.5 when an epoch's KL passes 0.02, x 1.5 under 0.005
-  values         discount 0.999 (rl_games' envpool config), GAE 0.95, critic coefficient 1,
-                 returns normalised (--normalize-value), gradient norm 10 (rl_games)
-  inputs         each pixel normalised by its running mean and deviation (--normalize-input);
-                 ELU activations (--activation elu) (rl_games)
-  --alternate    off: the alternating sampler pays only where inference takes as long as
-                 simulation (gpu_check.py's "alternating/plain" row says whether it does)
-  speed mode     the fastest measured on the device (`speed_flags()`): on a CPU with bf16 units
-                 --precision bf16 --compile (channels-last is the CPU's default): 2.35x fp32
-                 eager's steps/s, compilation (10 s) included, with the score at equal steps
-                 within seed noise (docs/results.md); on a GPU the defaults until one is measured
-Training evaluates nothing (its time would count); a final evaluation of whole games follows.
-
-What it reports (printed, and in the output folder): time from launch (start-up included) to a
-mean true game score (unclipped, all lives) of each --targets value over the last --window games
-(default 18 and 20 over 100), or "not reached"; the steps used and steps/s (summary.json's, and
-over the whole budget); the final evaluation's mean over --eval-episodes whole games
-(benchmarks/evaluate.py, games cut at 27,000 steps = 108,000 frames only); the curve of score
-against wall-clock seconds and environment steps as sprint.png and sprint.csv (one row per game),
-drawn from the run's TensorBoard events; sprint.json with all of it and the hardware line.
-
-The budget: the training run gets SIGTERM when --minutes have passed since its launch, then
-checkpoints and stops (up to 120 s allowed, then it is killed). Output: a folder
-sprint-<host>-<device> under runs/benchmarks/ (the next free -2, -3, ... when taken) holding the
-run directory, train.log and the files above; an --out that exists is refused, never written
-into. Bad input ends in one line on stderr and exit code 2; a training run that fails in exit 1.
+More: docs/benchmarks.md, `benchmarks/sprint.py`.
 """
 
 from __future__ import annotations
@@ -108,7 +71,7 @@ def num_envs(cores: int, envs_per_core: int) -> int:
 
 
 def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
-    """ppo_multigpu.py's flags for the sprint on this many cores (sources in the docstring)."""
+    """ppo_multigpu.py's flags for the sprint on this many cores (sources: docs/benchmarks.md)."""
     envs = num_envs(cores, envs_per_core)
     steps = -(-BATCH // (envs * MINIBATCHES)) * MINIBATCHES  # so 8 minibatches divide the batch
     return ["--num-envs", str(envs), "--num-steps", str(steps),
@@ -120,7 +83,7 @@ def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
 
 
 def speed_flags(device: str) -> list[str]:
-    """The recipe's speed mode on this device (module docstring)."""
+    """The recipe's speed mode on this device (docs/benchmarks.md)."""
     if device != "cpu":
         return []
     try:

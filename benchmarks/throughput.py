@@ -2,39 +2,7 @@
 
     python benchmarks/throughput.py [PART ...] [--no-cuda] [--seconds S] [--e2e-seconds S] ...
 
-Parts (any subset; none named: all of them, in this order):
-  ppo     raw env steps, the sampler (trivial policy; PPO's network, plain and alternating),
-          PPO's learner, PPO end to end
-  a2c     A2C end to end (written with ppo, to throughput-<host>-<device>.json)
-  dqn     replay storage and sampling, DQN's learner, DQN end to end (throughput-dqn-...)
-  dqn-async  --async-sampling's overlap: DQN's sampling and learning alone and overlapped,
-          split by --dqn.sampler-cores (written with dqn)
-  catdqn  C51's projection against Algorithm 1, its learner, end to end (throughput-cat-dqn-...)
-  appo    APPO's sampling and learning alone and overlapped, beside PPO (throughput-appo-...)
-  modes   every script's learner in fp32, bf16, channels-last, compiled and all three, and end
-          to end in its default and fastest mode (throughput-modes-...)
-What each part measures and its targets: the docstrings of benchmarks/throughput_parts/ppo.py
-(ppo, a2c), dqn.py (dqn, dqn-async), cat_dqn.py, appo.py and modes.py. Each family's options
-are --ppo.*, --dqn.*, --catdqn.*, --appo.*, --modes.* (defaults as each was tuned); --seconds and
---e2e-seconds set the timing of every part at once.
-
-Run:
-    python benchmarks/throughput.py --no-cuda            # all parts: about 20 minutes on 2 cores
-    python benchmarks/throughput.py                      # on a GPU machine (--cuda is the default)
-    python benchmarks/throughput.py ppo dqn --seconds 1 --e2e-seconds 5 --dqn.replay-size 100000
-    python benchmarks/throughput.py --no-cuda --out benchmarks/results   # refresh the committed
-
-Output: each family's table is printed, and its numbers written as one JSON file per family to
---out DIR, by default runs/benchmarks/ (benchmarks/outputs.py: never benchmarks/results/ unless
-named; where a default file exists, the new one is numbered -2, -3, ... instead of replacing it).
-The JSON fields are those of the results committed in benchmarks/results/throughput-*.json.
-run_parts(names, args) does all this for callers in Python.
-
-Threads: emulators get make_envs' choice (min(envs per group, cores)); torch keeps its default
-(all cores), as the training scripts do; --torch-threads N sets it here and, as OMP_NUM_THREADS,
-in the subprocesses. OMP_WAIT_POLICY defaults to PASSIVE, as in the training scripts (spinning
-OpenMP threads starve the emulator threads); `OMP_WAIT_POLICY=ACTIVE python benchmarks/...` shows
-the difference. The hardware line lists the OMP_* variables in force.
+More: docs/benchmarks.md, `benchmarks/throughput.py`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """The appo part of benchmarks/throughput.py: APPO's overlap of sampling and learning, beside
 synchronous PPO (JSON: throughput-appo-<host>-<device>.json).
 
-On one rank, with the same per-rank settings (num_envs x num_steps):
-  1. sampling alone  - common.async_sampler.AsyncSampler with APPO's network, its process pinned to
-                       the sampler's cores; the learner side only hands buffers back
-  2. learning alone  - appo_async's proximal pass and appo_update on a random rollout, pinned
-                       to the learner's cores (the rest), central Adam with --num-chunks as the
-                       script's default
-  3. APPO end to end - algos/appo_async.py --sampler-cores <the sampler's cores>
-  4. PPO end to end  - algos/ppo_multigpu.py, same settings, not pinned (its best use of all the
-                       cores: it samples and learns in turn)
-
-Overlap needs resources that sampling and learning do not share. On a CPU-only machine that is
-disjoint cores: the sampler's emulators and inference on --appo.sampler-cores (default: core 0),
-the learner's torch threads on the others. On a GPU machine pass --appo.sampler-cores with no
-value (no pinning: the GPU against the cores).
-
-Targets: APPO e2e >= 0.9 x min(sampling, learning), each measured alone under the same split.
-Synchronous PPO, which samples then learns, is bound by 1 / (1/sampling + 1/learning).
-Shares of waiting (sampler waited for a free buffer, learner waited for a rollout) and the mean
-policy lag come from APPO's TensorBoard scalars over iterations 2+ (no start-up). On a machine
-shared with other work the rates drift between measurements, so the same two rates are also
-taken inside the APPO run (steps over the sampler's busy seconds, env + inference, and over the
-learner's), and APPO is compared with their minimum too.
+More: docs/benchmarks.md, `benchmarks/throughput_parts/appo.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """The catdqn part of benchmarks/throughput.py: Categorical DQN (JSON:
 throughput-cat-dqn-<host>-<device>.json).
 
-  1. projection  - seconds to project a batch of --catdqn.batch-size target distributions onto
-                   the support with cat_dqn.project (vectorised over the batch), against two
-                   references written here: Algorithm 1 of Bellemare et al. 2017 one sample at a
-                   time (a torch loop over samples, atoms vectorised) and one sample and one atom
-                   at a time (Python floats). Outputs are compared (max_abs_diff_*).
-  2. learner     - c51_update steps/s at --catdqn.batch-size (the paper's CatDQN-2K: 2048),
-                   plain (catdqn-2k preset) and double+dueling+prioritized weights, on a batch
-                   already on the device; the projection's share of one update.
-  3. end to end  - algos/cat_dqn.py with its defaults (16 envs x 16 steps, batch 2048, replay
-                   ratio 8: one update an iteration) but --learning-starts 2048, so learning is on
-                   from the first progress line, stopped with SIGINT after --catdqn.e2e-seconds.
-
-Target: the projection is a negligible share of an update at batch 2048.
+More: docs/benchmarks.md, `benchmarks/throughput_parts/cat_dqn.py`.
 """
 
 from __future__ import annotations

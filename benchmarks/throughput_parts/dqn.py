@@ -1,34 +1,7 @@
 """The dqn and dqn-async parts of benchmarks/throughput.py (one JSON:
 throughput-dqn-<host>-<device>.json).
 
-dqn:
-
-  1. replay bytes   - bytes per transition of common/replay.py's storage at --dqn.replay-size
-                      (frames and per-step fields, plus the sum tree when prioritized), from its
-                      tensors.
-  2. replay sample  - seconds to sample a batch of --dqn.batch-size from a full buffer of
-                      --dqn.replay-size transitions: stacks rebuilt, n-step returns computed,
-                      prioritized (sum tree) and uniform. One buffer serves both: uniform is
-                      timed on the same data with the tree set aside, so only one buffer's memory
-                      is held (1M transitions = 7.1 GB).
-  3. learner        - dqn_update steps/s at --dqn.batch-size, DQN (dqn-512) and double+dueling
-                      (eps-rainbow-512), on a batch already sampled on the device.
-  4. end to end     - algos/dqn_multigpu.py with its defaults (16 envs x 4 steps, batch 512,
-                      replay ratio 8) but --learning-starts 2048, so learning is on from the
-                      first progress line, stopped with SIGINT after --dqn.e2e-seconds.
-dqn-async:
-  5. overlap        - --async-sampling as benchmarks/throughput_parts/appo.py measures APPO's,
-                      cores split by --dqn.sampler-cores (default core 0 for the sampler, the
-                      rest for the learner; on a GPU machine pass it empty: the GPU learns while
-                      the cores step): sampling alone (the sampler process with DQN's network,
-                      buffers handed straight back), learning alone (what the learner does per
-                      rollout: append it to a filled replay, take the updates the ratio asks
-                      for), and dqn_multigpu.py --async-sampling end to end under the split,
-                      with the same two rates measured inside that run.
-
-Targets: sampling a batch takes under 10% of one update on the same device; --async-sampling end
-to end >= 0.9 x min(sampling alone, learning alone), where the plain mode gets about
-1 / (1/sampling + 1/learning).
+More: docs/benchmarks.md, `benchmarks/throughput_parts/dqn.py`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The modes part of benchmarks/throughput.py: every script's learner in each speed mode, and every
 script end to end in its default mode and its fastest (throughput-modes-<host>-<device>.json).
 
-Learner: each script's update function on a synthetic batch of its default size (PPO 8 x 128 in
-4 epochs x 4 minibatches, A2C 16 x 5, APPO as PPO with its central Adam, DQN 512, C51 2048), in
-  fp32           --precision fp32 --channels-last off, eager: the reference every ratio is to
-  bf16           --precision bf16
-  channels-last  --channels-last on
-  compiled       --compile (the loss's forward and backward; its compilation, done in the
-                 warm-up, is reported beside the step time, not in it)
-  best           all three together
-reported as milliseconds per optimizer step (a minibatch for PPO and APPO) and as a speed-up over
-fp32. End to end: each script trained --modes.e2e-seconds after its first progress line with its
-defaults and with --precision bf16 --channels-last on --compile; steady-state steps/s, and
-summary.json's, which also counts start-up and compilation. The DQN family starts learning
-after 2,048 steps, so its runs learn within the budget.
-
-Targets (from the learner's speed work): PPO's step >= 2.5x fp32 in the best mode and >= 1.6x
-in bf16 alone; DQN's and C51's >= 2x in the best mode.
+More: docs/benchmarks.md, `benchmarks/throughput_parts/modes.py`.
 """
 
 from __future__ import annotations

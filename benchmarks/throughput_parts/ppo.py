@@ -1,22 +1,7 @@
 """The ppo and a2c parts of benchmarks/throughput.py: the sampler, PPO's learner, and both
 algorithms end to end (one JSON: throughput-<host>-<device>.json).
 
-ppo, each measurement warmed up first, then timed for --ppo.seconds:
-  1. raw env      - AtariVectorEnv send/recv with random actions (common.envs.make_envs, 1 group)
-  2. sampler      - Sampler.collect with a trivial policy (random actions, no network), timed in
-                    one-rollout blocks interleaved with 1. on the same environments
-  3. sampler+net  - Sampler.collect with PPO's network and policy, plain and alternating
-  4. learner      - PPO's ppo_update on a random batch of num_envs x num_steps samples
-  5. end to end   - algos/ppo_multigpu.py (num_envs, num_steps as here), plain and --alternate
-a2c: algos/a2c_multigpu.py end to end if it exists (its defaults, --ppo.a2c-num-envs), plain
-and --alternate. End-to-end runs train for --ppo.e2e-seconds after their first progress line.
-
-Targets:
-  sampler(trivial) / raw >= 0.95  the sampler's bookkeeping costs under 5% of the simulation.
-  PPO e2e / bound >= 0.85  bound = 1 / (1/sampler_net + epochs/learner), learner in
-      epoch-samples/s, so epochs/learner is the learning seconds per environment step: sampling
-      then learning back to back, nothing else. With --alternate, the alternating sampler's rate.
-  A2C: the largest phase (env: waiting on simulation; inference; learn; comm) is what limits it.
+More: docs/benchmarks.md, `benchmarks/throughput_parts/ppo.py`.
 """
 
 from __future__ import annotations
