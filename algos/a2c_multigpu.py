@@ -48,7 +48,7 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     learning_rate: float = 7e-4
     """learning rate for one rank (baselines' a2c, the paper's code); see --lr-scaling"""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    """multiply --learning-rate by 1, the number of ranks, or its square root (module docstring)"""
+    """multiply --learning-rate by 1, the ranks or their square root (docs/policy-gradient.md)"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over --total-timesteps (baselines' a2c 'linear')"""
     optimizer: Literal["rmsprop", "adam"] = "rmsprop"

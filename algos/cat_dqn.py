@@ -49,7 +49,7 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     """environments per rank; 16 x --num-steps 16 = 256 steps per iteration, one update at 2048"""
 
     preset: Literal["c51-nature", "catdqn-2k"] = "catdqn-2k"
-    """documented configuration that sets the defaults below (module docstring); flags win"""
+    """documented configuration that sets the defaults below (docs/q-learning.md); flags win"""
     num_atoms: int = 51
     """atoms of each action's return distribution (C51: 51)"""
     v_min: float = -10.0
@@ -75,7 +75,7 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     optimizer: Literal["adam", "rmsprop"] = "adam"
     """adam (C51), or rmsprop as in Nature DQN (centered, squared-gradient decay 0.95)"""
     learning_rate: float = 2.5e-4
-    """learning rate (C51's, not scaled with the batch: module docstring)"""
+    """learning rate (C51's, not scaled with the batch: docs/q-learning.md)"""
     adam_eps: float = 0.01 / 2048
     """Adam epsilon (C51: 0.01/32; the authors' code: 0.01/batch)"""
     max_grad_norm: float = 10.0
@@ -88,7 +88,7 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     """global steps of the linear decay (Nature, C51: 1M frames)"""
 
 
-PRESETS = {  # sources in the module docstring
+PRESETS = {  # sources: docs/q-learning.md
     "c51-nature": dict(batch_size=32, optimizer="adam", learning_rate=2.5e-4, adam_eps=0.01 / 32,
                        target_update_interval=40_000, learning_starts=50_000, eps_end=0.01,
                        eps_decay_steps=250_000, eval_epsilon=0.001, n_step=1, double=False,

@@ -49,7 +49,7 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     """environments per rank; 16 x --num-steps 4 = 64 steps per iteration, one update at 512"""
 
     preset: Literal["dqn-nature", "dqn-512", "eps-rainbow-512"] = "dqn-512"
-    """documented configuration that sets the defaults below (module docstring); flags win"""
+    """documented configuration that sets the defaults below (docs/q-learning.md); flags win"""
     num_steps: int = 4
     """steps per environment per iteration, between rounds of updates"""
     batch_size: int = 512
@@ -69,7 +69,7 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     optimizer: Literal["adam", "rmsprop"] = "adam"
     """adam, or rmsprop as in Nature (centered, squared-gradient decay 0.95)"""
     learning_rate: float = 2.5e-4
-    """learning rate (Nature's, not scaled with the batch: module docstring)"""
+    """learning rate (Nature's, not scaled with the batch: docs/q-learning.md)"""
     adam_eps: float = 0.01 / 512
     """Adam epsilon (the authors' code: 0.01/batch for C51, 0.005/batch for eps-Rainbow)"""
     max_grad_norm: float = 10.0
@@ -81,14 +81,14 @@ class Args(ReplayArgs):  # the flags every script and the DQN family share: comm
     num_chunks: int = 3
     """chunks of the central parameters, each under its own lock (paper: 3)"""
     eps_schedule: Literal["linear", "apex"] = "linear"
-    """exploration: one annealed epsilon, or fixed per-environment epsilons (module docstring)"""
+    """exploration: one annealed epsilon, or fixed per-environment epsilons (docs/q-learning.md)"""
     eps_end: float = 0.1
     """linear schedule's final epsilon (Nature: 0.1; Rainbow: 0.01)"""
     eps_decay_steps: int = 250_000
     """global steps of the linear decay (Nature: 1M frames)"""
 
 
-PRESETS = {  # sources in the module docstring
+PRESETS = {  # sources: docs/q-learning.md
     "dqn-nature": dict(batch_size=32, optimizer="rmsprop", learning_rate=2.5e-4,
                        target_update_interval=40_000, learning_starts=50_000, eps_end=0.1,
                        eps_decay_steps=250_000, eval_epsilon=0.05, n_step=1, double=False,

@@ -1,22 +1,7 @@
 """Asynchronous sampling: a sampler process fills shared-memory rollout buffers while the learner
 trains (rlpyt's asynchronous runner, after Stooke & Abbeel 2018, Sec. 3).
 
-    learner process                               sampler process (one per rank)
-      get() -> rollout in buffer i, its version     waits for a free buffer j
-      trains on it                                  copies the newest parameters, notes version
-      publish(model, version)                       collects T steps into buffer j (batched
-      release(i)                                    inference, common.sampler.Sampler), sends j
-
-With `num_buffers` >= 2 the sampler fills one buffer while the learner trains on another: only
-the faster of the two waits. Buffers, published parameters and version are CPU tensors in shared
-memory (the sampler is the learner's child), made once; queues carry only buffer indices and
-episode statistics. On a GPU the sampler infers on the device and copies each rollout out once;
-the learner copies it in once. Context "spawn": forking a process that already runs torch's and
-ALE's threads is unsafe. Faults: the sampler dies with its parent (PR_SET_PDEATHSIG, and it polls
-the parent's pid) and ignores SIGINT/SIGTERM (its learner decides when to stop); a waiting
-learner checks the sampler is alive and raises SamplerDied with its exit code or traceback.
-Whatever ends the learner's interpreter (an exception, sys.exit) first stops the sampler, by an
-exit hook: multiprocessing's own would SIGTERM it, which it ignores, then wait for it forever.
+How and why: docs/internals.md#commonasync_samplerpy.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Central parameters and optimizer state in the machine's shared memory, updated asynchronously.
 
-The paper's asynchronous multi-GPU optimisation (Stooke & Abbeel 2018, Sec. 3.2, used there by
-A3C, APPO and asynchronous DQN): one copy of the parameters and of the optimizer's statistics
-lives in CPU memory shared by every process on the machine. A process with a gradient applies
-the update rule to that copy chunk by chunk, each chunk under its own lock, taking whichever
-chunk is free first, then copies the new parameters into its own model. No process waits for
-another to finish a step, only, briefly, when every chunk it still has to update is being
-written. Both rules are elementwise, so each chunk's update is complete on its own: Adam (APPO,
-asynchronous DQN; a chunk's step count, for the bias correction, counts the gradients it has
-taken) and RMSProp (A3C: the A3C paper's shared RMSProp statistics, the rule a2c_multigpu.py's
-torch RMSprop runs). The machine's global step is counted here too, for schedules.
-
-Named files, not torch.multiprocessing: torchrun's ranks are separate programs, not children of
-one parent, so they find the memory by name. Chunk c is `<name>.c<c>` in /dev/shm (RAM), float32
-[3, n_c] for Adam (parameters, first and second moments), [2, n_c] for RMSProp (parameters, mean
-square); `<name>.steps` is int64 [num_chunks + 1], the chunks' step counts then the global step
-(added to under that file's lock); all mapped with `torch.from_file(shared=True)`. Locks are
-`fcntl.flock` on the chunk's file (LOCK_NB to try one without waiting); the kernel drops a lock
-when its holder dies, so a killed rank never leaves a chunk locked. Names carry the creator's
-pid: a creator killed outright (SIGKILL) leaves its files, which the next creator removes.
+How and why: docs/internals.md#commoncentral_optimpy.
 """
 
 from __future__ import annotations

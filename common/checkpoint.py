@@ -1,14 +1,6 @@
 """Verified atomic checkpoints and exact resume.
 
-`checkpoints/step_<N>.pt` holds the script's state dict (model, optimizer, counters, episode
-statistics) and every rank's RNG states; per-rank data (a replay shard) goes in
-`step_<N>.rank<R>.pt`, written by each rank to its own disk. Every file is written to a temporary
-name, fsynced, given a `.sha256` and renamed: a crash never leaves half a file under a
-checkpoint's name, and one damaged later fails its checksum and is skipped for the previous one.
-The newest `--keep-checkpoints` are kept; older ones go only once the new one is in place.
-Which checkpoint a run continues from, and in which directory: common/runs.py. Not restored: the
-emulators (ale-py cannot save a vector env); they restart with seeds from `--seed` and the global
-step, so a resume is repeatable, but open games are lost.
+How and why: docs/internals.md#commoncheckpointpy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Distributed set-up: one process per GPU, launched by torchrun (or plain python: a world of one).
 
-Gradients are averaged with one flat all-reduce per update (paper Sec. 3.2: summed over GPUs with
-NCCL, divided by their number, the same step applied everywhere). By hand, not
-DistributedDataParallel: the communication phase is timed on its own (DDP hides it in backward),
-the Nature CNN is one 6.7 MB bucket (DDP's overlap buys little), and sampling-time inference and
-target networks use the plain module.
-
-Devices: rank r takes GPU `LOCAL_RANK` of those visible, or the only one (a scheduler's binding).
-NCCL refuses two ranks on one GPU, so that is refused here in one line; `--backend gloo` lets
-ranks share a GPU, which exercises the multi-rank paths on a one-GPU machine.
-
-Failures: a collective waits at most `--collective-timeout` (gloo fails at once on a dead peer;
-NCCL is asynchronous, so its watchdog ends the wait, TORCH_NCCL_ASYNC_ERROR_HANDLING=1), then the
-rank ends with one line and exit code 1, and torchrun stops or restarts the group. Checkpoint
-writes wait on a side group with IO_GRACE more, so a long `--save-replay` write trips no timeout.
-`finish()` and `fail()` end with `os._exit`, so no C++ destructor of the interpreter's teardown
-runs while the group's threads (gloo's `pt_gloo_runloop`, NCCL's watchdog) still run: that aborted
-finished ranks with "terminate called without an active exception" while another was finishing.
+How and why: docs/internals.md#commondistpy.
 """
 from __future__ import annotations
 
@@ -101,7 +85,7 @@ def setup(cuda: bool, timeout: float = 600.0, backend: str = "auto",
 
 
 def pick_device(cuda: bool, local_rank: int, backend: str = "auto") -> torch.device:
-    """This rank's GPU (module docstring) or the CPU; exit 2 if NCCL gives LOCAL_RANK no GPU."""
+    """This rank's GPU (docs/internals.md) or the CPU; exit 2 if NCCL gives LOCAL_RANK no GPU."""
     if not (cuda and torch.cuda.is_available()):
         return torch.device("cpu")
     count = torch.cuda.device_count()
@@ -204,7 +188,7 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def _leave(code: int) -> None:
-    """os._exit(code) without the interpreter's teardown (module docstring), after what it would do:
+    """os._exit(code) without the interpreter's teardown (docs/internals.md), after what it does:
     kill daemonic children (APPO's sampler ignores SIGTERM; multiprocessing would wait for it
     forever), run atexit handlers (they unlink the sampler queues' semaphores, flush logging) and
     flush stdout/stderr. Scripts close their files first and write in no non-daemonic thread."""

@@ -1,24 +1,7 @@
 """Vectorized environments: ALE games through ale-py's C++ AtariVectorEnv, anything else through
 `gymnasium.make_vec`, both behind one small send/recv interface with true episode statistics.
 
-Conventions every script relies on:
-- Observations are uint8 `[n, 4, 84, 84]` (4 stacked 84x84 grayscale frames); actions discrete.
-- Autoreset is `SameStep`: when an episode ends, `recv` returns the next episode's first
-  observation, so every transition in a rollout is real and no action is ignored; a truncated
-  episode's last observation is handed back separately, for bootstrapping.
-- Rewards are returned raw (unclipped). Learners clip them; the statistics never do.
-- With episodic lives on, `terminated` is raised on every life loss (the learner's episode ends,
-  the game goes on). Statistics count *games* (ended by game over or truncation): the true score
-  over all lives and the true length, in agent steps.
-- FIRE (`fire_reset`, on by default) is pressed, in games that have it, at every game start and
-  instead of the agent's action after every lost life, as the baselines' FireResetEnv inside
-  EpisodicLifeEnv do (ale-py's `use_fire_reset` fires only at a reset): Breakout serves only on
-  FIRE, so an agent yet to learn it would stall after its first lost life until the time limit.
-  The transition keeps the agent's action: in this MDP that step's action has no effect, so
-  nothing the learners compute is biased.
-- `max_episode_steps` truncates a game: ALE games at 4x that many emulator frames, the reset's
-  no-op frames included (Machado et al. 2018's 18,000-frame cap at 4,500); other ids at that many
-  steps (Gymnasium's TimeLimit).
+How and why: docs/internals.md#commonenvspy.
 """
 
 from __future__ import annotations
@@ -125,7 +108,7 @@ class Envs:
         return obs
 
     def send(self, actions: np.ndarray) -> None:
-        if self._fire_next.any():  # rare: only on the step after a lost life (module docstring)
+        if self._fire_next.any():  # rare: only on the step after a lost life (docs/internals.md)
             actions = np.where(self._fire_next, self.fire, actions)
         if self.game is not None:
             self.venv.send(actions)

@@ -1,14 +1,6 @@
 """Evaluation: whole games on separate environments, scored as the literature scores them.
 
-Protocol (Machado et al. 2018, "Revisiting the ALE", Sec. 5; the DQN papers' 5-minute cap):
-- Scores are true game scores: all lives, raw rewards (common/envs.py), episodic lives off.
-- A game is cut at `--eval-max-steps` steps (the 5-minute cap) and counts with its score so far.
-  Dropping cut games, or keeping the first to finish, under-counts long games, usually the
-  high-scoring ones; a strong agent whose games all outlast the cap would report nothing at all.
-- Each evaluation environment plays its share of the `--eval-episodes` games in order (env j of n
-  plays games j, j + n, ...), so which games count is fixed before any is played.
-- Fresh, repeatable seeds for every evaluation (from `--seed` and the global step), so an
-  evaluation after a resume plays the same games as the uninterrupted run would have.
+How and why: docs/internals.md#commonevaluationpy.
 """
 
 from __future__ import annotations

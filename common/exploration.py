@@ -1,13 +1,6 @@
 """Epsilon-greedy exploration for the DQN family (dqn_multigpu.py, cat_dqn.py).
 
-Schedules (--eps-schedule) are functions of the global step only, so a resume (on any number of
-ranks) continues them exactly:
-- `linear`: --eps-start until --learning-starts, then linearly to --eps-end over
-  --eps-decay-steps. The decay starts after the warm-up, as in DeepMind's DQN code and Dopamine
-  (`linearly_decaying_epsilon(decay_period, step, warmup_steps, epsilon)`); from step 0 it would
-  spend part of the schedule before the first update (dqn-512 at 0.82, eps-rainbow-512 at 0.68).
-- `apex`: environment i of all N (i = rank x num_envs + b) keeps the fixed epsilon
-  0.4 ** (1 + 7 i / (N - 1)) (Horgan et al. 2018, Ape-X), from 0.4 down to 0.4^8 = 6.6e-4.
+How and why: docs/internals.md#commonexplorationpy.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ from common import gpu
 
 
 def epsilons(args, global_step: int, rank: int, world_size: int) -> torch.Tensor:
-    """Exploration rate of each of this rank's environments [num_envs] (module docstring)."""
+    """Exploration rate of each of this rank's environments [num_envs] (docs/internals.md)."""
     if args.eps_schedule == "apex":
         n = world_size * args.num_envs
         i = rank * args.num_envs + torch.arange(args.num_envs, dtype=torch.float64)

@@ -1,22 +1,6 @@
 """Replay memory for the DQN family: each 84x84 frame stored once, on the rank's device.
 
-Layout: each environment column b has a circular buffer of single frames `frames[T, B, 84, 84]`
-and small per-step fields (action, reward, a flags byte, the index of a truncated episode's final
-frame): 7,067 bytes per transition (+16 for the sum tree) against 28,224 for 4-frame stacks.
-Stacks are rebuilt at sample time from rows t-3..t. The row after the newest complete one holds
-the next observation's frame (`add` takes next_obs), so the newest transitions can bootstrap and a
-saved buffer can close its open episodes on resume. Each row also records what the environment
-put in the 3 older frames of its stack: real history (also after a life loss, where ALE's stack
-runs on), zeros (ALE after a reset) or copies of the newest frame (gymnasium's frame stacking,
-tests' Catch), so rebuilt stacks equal the observations the agent acted on, bit for bit.
-
-n-step returns are computed at sample time: R = sum_{k<m} gamma^k r(t+k), m <= n stopping at the
-first step that ends the episode; the bootstrap's discount is 0 after a termination, gamma^m
-otherwise. After a truncation (time limit) the bootstrap observation is the episode's true last
-one, whose newest frame is kept in a small side store. Sampling is uniform, or prioritized
-(Schaul et al. 2016, Sec. 3.3, proportional) from a sum tree updated and descended by tensor
-operations over the whole batch. Transition t is sampleable once rows t..t+n are written, and
-until its 3 history rows are overwritten.
+How and why: docs/internals.md#commonreplaypy.
 """
 
 from __future__ import annotations

@@ -4,23 +4,7 @@ environment (common/exploration.py), appended to the rank's replay with the true
 observations of episodes cut at a time limit (a truncated transition bootstraps from its own
 last frame, not from the next episode's first).
 
-Where the environments are stepped:
-- synchronous (the default): here, by common/sampler.py, between rounds of updates. The rank
-  samples or learns, never both: for sampling rate s and learning rate l it runs at s l / (s + l).
-- --async-sampling: in a sampler process (common/async_sampler.py) that steps them with its own
-  copy of the network while the learner learns, as rlpyt's asynchronous runner does for
-  Q-learning. The learner takes a rollout, appends it to its replay (which stays in its process,
-  on its device), takes the updates the replay ratio asks for, publishes its parameters with
-  this iteration's epsilons, and only then hands the buffer back. Meanwhile the sampler fills the
-  next of --num-buffers buffers, so it is at most --num-buffers - 1 rollouts ahead: samples
-  replayed per sample generated is --replay-ratio exactly, as in the synchronous mode, and a
-  rollout acts with parameters --num-buffers - 1 rounds of updates older than the synchronous
-  mode's (DQN learns off-policy: nothing to correct). With resources of their own (disjoint
-  cores, --sampler-cores, on a CPU; on a GPU machine the GPU learns while the cores step) the
-  rank runs at about min(s, l).
-A resumed run rebuilds the sampler from the checkpoint's step, as the synchronous mode rebuilds
-its environments: games in progress start afresh, and rollouts sampled but not yet in the replay
-when the run stopped are not counted, so the step count is exact either way.
+How and why: docs/internals.md#commonreplay_feedpy.
 """
 
 from __future__ import annotations

@@ -9,14 +9,7 @@
             break
     run.close(global_step, ...)          # last checkpoint, final evaluation, summary.json
 
-`RunArgs` holds the flags every script shares; each script's `Args` extends it. The pieces:
-common/cli.py (flags), runs.py (run directories), checkpoint.py, logger.py.
-
-Stops: SIGTERM or SIGINT (Ctrl-C) on any rank stops every rank at the same iteration, which
-checkpoints and exits 0, printing the command that continues the run; a second Ctrl-C kills at
-once. --checkpoint-minutes of wall-clock time since the last such checkpoint make one due on
-every rank at the same iteration, so a crash loses at most that much, whatever the hardware.
-Checkpoints and evaluations fall due on the global step, so every rank, and a resumed run, agree.
+How and why: docs/internals.md#commonrunpy.
 """
 
 from __future__ import annotations

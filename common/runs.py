@@ -1,12 +1,6 @@
 """Run directories: where a run goes, and the directory a run starts or continues in.
 
-Where the run goes (`locate`, rank 0, from cli.parse_args): without `--resume` a new run
-directory (never an existing one); `--resume FILE|DIR` that checkpoint or the run's newest good
-one, written into its own run unless `--run-dir` names a new one; `--resume auto` `--run-dir`'s
-newest good checkpoint, else a fresh start there. A group torchrun restarts behaves as `auto`,
-finding its first attempt's directory by torchrun's run id (the `torchrun_id` file). A run's
-flags are kept in its `args.json`; a resume takes them as its defaults (`saved_args`), less the
-launch-only ones. The checkpoints themselves: common/checkpoint.py.
+How and why: docs/internals.md#commonrunspy.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Batched-inference rollout collection (paper Sec. 3.1), plain or alternating.
 
-Every environment step, the observations of all a rank's environments go through the network as
-one batch on the rank's device, and the results land in preallocated `[T, B]` device tensors.
-
-Plain sampler (one group):        infer(all B) -> send -> wait -> infer(all B) -> ...
-Alternating sampler (two groups, `--alternate`):
-    group A simulates step t while the network computes group B's actions for step t, and the
-    other way round, so simulation and inference overlap (up to 2x when they cost the same).
-
-Alternating changes only the forward batch (B/2) and the order of the action sampling's random
-numbers: the batch layout (column b is always environment b) and the seeds stay, so a fixed
-deterministic policy gives the same trajectories (tests/test_sampler.py checks it bit for bit).
-No action is computed ahead with stale parameters: a rollout's last step sends nothing, so the
-next rollout starts with the updated network, at one non-overlapped step per rollout.
-
-Step t holds obs[t], the action taken there, the reward that followed and whether the (learner's)
-episode ended there (after which SameStep autoreset puts the next episode's start in obs[t + 1]);
-`final_values[t]` is the value of a truncated episode's true last observation (0 elsewhere), so
-returns bootstrap correctly across a time limit.
+How and why: docs/internals.md#commonsamplerpy.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Video of an agent's game: the MP4 writer of `benchmarks/evaluate.py --video` and of the
 scripts' --capture-video.
 
-`VideoRecorder` stands in for the evaluation environments and records environment 0's first game
-as the 210x160 RGB screen at 15 frames per second (60 Hz emulator, 4 frames per agent step). The
-frames come from a second ALE vector environment of one game, made with the evaluation
-environment's settings but RGB at full size, reset with environment 0's seed and stepped in
-lockstep with the actions environment 0 executed (the agent's, or the FIRE that common/envs.py
-presses after a lost life); the emulator is deterministic given the seed, so both play the same
-game. The writer is imageio-ffmpeg, whose wheels carry their own ffmpeg binary, streaming frames
-to H.264 through a pipe (a long game is never held in memory). The file is written under a
-temporary name and linked into place at the end: an interrupted recording leaves no half-written
-video, and an existing file is never replaced. Atari games only.
+How and why: docs/internals.md#commonvideopy.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ FPS = 15  # 60 Hz emulator, one agent step per 4 frames
 
 class VideoRecorder:
     """Stands in for the evaluation `Envs` in evaluation.play and records environment 0's first
-    game from a second, RGB, full-size ALE environment stepped in lockstep (module docstring).
+    game from a second, RGB, full-size ALE environment stepped in lockstep (docs/internals.md).
     `run`: the run's flags (--fire-reset, --sticky-actions, --eval-max-steps)."""
 
     def __init__(self, env: envs.Envs, run, path: Path):
