@@ -204,7 +204,7 @@ def main() -> None:
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     sample = gpu.compiled(agent, args.compile)
 
-    def policy(obs):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values are recomputed to learn
+    def policy(obs, cols=None):  # obs uint8 [n, 4, 84, 84] -> actions [n]; values: recomputed
         return Categorical(logits=sample(obs)[0]).sample(), {}
 
     run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,

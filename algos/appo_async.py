@@ -122,8 +122,9 @@ class Agent(nn.Module):
         return self.actor(h), self.critic(h).squeeze(-1)
 
 
-def act(agent: Agent, obs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sampler process's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob, value}."""
+def act(agent: Agent, obs: torch.Tensor, cols: slice | None = None):
+    """The sampler process's policy: obs uint8 [n, 4, 84, 84] -> actions [n], {logprob, value}
+    (the same for every environment column)."""
     logits, value = agent(obs)
     pi = Categorical(logits=logits)
     action = pi.sample()

@@ -260,7 +260,7 @@ def main() -> None:
                 max(0.0, 1.0 - global_step / args.total_timesteps) if args.anneal_lr else 1.0)
 
         # ---- sampling: T steps of B envs, one batched forward pass per step ----
-        rollout = sampler.collect(lambda obs: act(sample, obs), value_fn=lambda o: agent(o)[1])
+        rollout = sampler.collect(lambda obs, _: act(sample, obs), value_fn=lambda o: agent(o)[1])
         global_step += global_batch
 
         # ---- learning: GAE on this rank's rollout, then PPO epochs on averaged gradients ----

@@ -28,7 +28,7 @@ class SamplerDied(RuntimeError):
 
 
 class AsyncSampler:
-    """`policy(model, obs)` -> (actions, extras), `value_fn(model, obs)` -> values (or None):
+    """`policy(model, obs, cols)` -> (actions, extras), `value_fn(model, obs)` -> values (or None):
     module-level functions. `make_model()` builds the sampler's network (its parameters and
     buffers come from `publish`); `env_kwargs` go to `envs.make_envs`. Rollouts have Sampler's
     keys, `next_obs` [B, 4, 84, 84] and, with a value_fn, `next_value` [B] (behaviour policy's).

@@ -32,26 +32,22 @@ class Explorer(nn.Module):
     """The sampler's policy: epsilon-greedy on `net`'s Q values [n, A] (its method `q`: "forward",
     or C51's "q_values"), one epsilon per environment column. The epsilons [num_envs] are a
     buffer, so they travel with the parameters to an asynchronous sampler's copy
-    (common/async_sampler.py publishes both). The alternating sampler asks for group 0, 1, 0, 1,
-    ... and every rollout asks T x groups times, so a running count tells a batch's columns; the
-    number of groups is all columns / columns per call, so one policy serves both samplers."""
+    (common/async_sampler.py publishes both)."""
 
     def __init__(self, net: nn.Module, num_envs: int, q: str = "forward", compile: bool = False):
         super().__init__()
-        self.net, self.calls = net, 0
+        self.net = net
         self.q_fn = gpu.compiled(getattr(net, q), compile)
         self.register_buffer("eps", torch.ones(num_envs))
 
-    def forward(self, obs: torch.Tensor):
-        n = len(obs)
-        g = self.calls % (len(self.eps) // n)
-        self.calls += 1
-        return epsilon_greedy(self.q_fn(obs), self.eps[g * n:(g + 1) * n]), {}
+    def forward(self, obs: torch.Tensor, cols: slice):
+        """Actions [n] for obs [n, 4, 84, 84] of the environment columns `cols`."""
+        return epsilon_greedy(self.q_fn(obs), self.eps[cols]), {}
 
 
-def act(explorer: Explorer, obs: torch.Tensor):
+def act(explorer: Explorer, obs: torch.Tensor, cols: slice):
     """AsyncSampler's policy function: the explorer's epsilon-greedy actions."""
-    return explorer(obs)
+    return explorer(obs, cols)
 
 
 def status(eps: torch.Tensor, learn_from: int, global_step: int) -> str:

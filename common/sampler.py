@@ -13,8 +13,9 @@ import torch
 
 from common.envs import Envs
 
-# policy(obs uint8 [n, 4, 84, 84]) -> (actions long [n], extras {name: float tensor [n]})
-Policy = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# policy(obs uint8 [n, 4, 84, 84], cols: the n environment columns obs holds, a slice of B)
+#   -> (actions long [n], extras {name: float tensor [n]})
+Policy = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class Sampler:
@@ -61,7 +62,7 @@ class Sampler:
         """Infer group g's actions for step t from obs[t] and hand them to its simulators."""
         t0 = time.perf_counter()
         cols, b = self._cols(g), self.buf
-        actions, extras = policy(b["obs"][t, cols])
+        actions, extras = policy(b["obs"][t, cols], cols)
         b["actions"][t, cols] = actions
         for k, v in extras.items():
             b[k][t, cols] = v

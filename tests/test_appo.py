@@ -131,7 +131,7 @@ class _Constant(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(()))
 
 
-def _constant_policy(model, obs):
+def _constant_policy(model, obs, cols):
     return model.w.long().expand(obs.shape[0]).clone(), {}
 
 
@@ -170,7 +170,7 @@ def test_async_sampler_rollouts_are_whole_and_labelled():
     sync.reset(seeds)
     for version, rollout in got:
         assert torch.equal(rollout["actions"], torch.full((T, B), version % 3))
-        ref = sync.collect(lambda obs: (torch.full((obs.shape[0],), version % 3), {}))
+        ref = sync.collect(lambda obs, cols: (torch.full((obs.shape[0],), version % 3), {}))
         for k in ("obs", "actions", "rewards", "terminated", "truncated"):
             assert torch.equal(rollout[k], ref[k]), k
         assert torch.equal(rollout["next_obs"], sync.next_obs)

@@ -45,7 +45,7 @@ def test_true_game_score_with_episodic_lives_and_reward_clipping():
     actions = np.random.default_rng(0).integers(0, 6, size=(T, n))
     step = iter(range(T))
 
-    def policy(obs):
+    def policy(obs, cols):
         return torch.from_numpy(actions[next(step)]), {}
 
     sampler = Sampler(envs.make_envs("SpaceInvaders-v5", n, episodic_life=True), T,

@@ -35,7 +35,7 @@ def test_rebuilt_stacks_equal_the_observations_the_agent_saw(env_id):
     g = torch.Generator().manual_seed(0)
     starts = 0
     for i in range(40):
-        buf = sampler.collect(lambda o: (torch.randint(0, 4 if "Breakout" in env_id else 3,
+        buf = sampler.collect(lambda o, cols: (torch.randint(0, 4 if "Breakout" in env_id else 3,
                                                        (len(o),), generator=g), {}))
         replay.add(buf["obs"], buf["actions"], buf["rewards"], buf["terminated"],
                    buf["truncated"], sampler.next_obs, None)
@@ -235,7 +235,7 @@ def test_truncated_episodes_bootstrap_from_the_final_observation_the_sampler_saw
     replay = Replay(40 * B, B, CPU, n_step=1, gamma=0.9)
     finals, truth = [], {}
     for i in range(4):
-        buf = sampler.collect(lambda o: (torch.randint(0, 3, (len(o),)), {}),
+        buf = sampler.collect(lambda o, cols: (torch.randint(0, 3, (len(o),)), {}),
                               value_fn=lambda o: finals.append(o) or torch.zeros(len(o)))
         final_obs = torch.cat(finals) if finals else None
         for k, (t, b) in enumerate(buf["truncated"].nonzero().tolist()):

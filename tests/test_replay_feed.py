@@ -57,7 +57,7 @@ def test_the_sampler_process_hands_over_the_last_observations_the_hook_records()
     sync = Sampler(envs.make_envs(TRUNCATING, B), T, CPU)
     sync.reset(seeds)
     seen = []
-    zeros = lambda obs: (torch.zeros(len(obs), dtype=torch.long), {})  # noqa: E731
+    zeros = lambda obs, cols: (torch.zeros(len(obs), dtype=torch.long), {})  # noqa: E731
     expected = sync.collect(zeros, lambda obs: seen.append(obs.clone()) or torch.zeros(len(obs)))
     expected_truncated = expected["truncated"].clone()
     for e in sync.envs:
@@ -77,7 +77,7 @@ def test_the_sampler_process_hands_over_the_last_observations_the_hook_records()
         sampler.close()
 
 
-def _zero_policy(model, obs):
+def _zero_policy(model, obs, cols):
     return torch.zeros(len(obs), dtype=torch.long), {}
 
 

@@ -12,7 +12,7 @@ CPU = torch.device("cpu")
 def fixed_policy(net):
     """Deterministic in the observation alone: the same obs gives the same action, whatever the
     batch it arrives in. The value comes from a network, as PPO's does."""
-    def policy(obs):
+    def policy(obs, cols):
         actions = obs.long().sum(dim=(1, 2, 3)) % 3
         return actions, {"value": net(obs)}
     return policy
@@ -55,7 +55,7 @@ def test_episode_boundaries_are_same_step():
     T = 20
     sampler = Sampler(envs.make_envs("tests.catch_env:Catch-v0", 2), T, CPU)
     sampler.reset(envs.env_seeds(0, 0, 2))
-    buf = sampler.collect(lambda obs: (torch.zeros(len(obs), dtype=torch.long), {}))
+    buf = sampler.collect(lambda obs, cols: (torch.zeros(len(obs), dtype=torch.long), {}))
     term, obs, rew = buf["terminated"], buf["obs"], buf["rewards"]
     assert torch.equal(term, rew != 0)  # Catch pays only when the ball lands
     for t in range(T):
@@ -76,7 +76,7 @@ def test_truncation_bootstraps_from_the_final_observation():
         seen.append(obs.clone())
         return obs.float().mean(dim=(1, 2, 3))
 
-    buf = sampler.collect(lambda obs: (torch.zeros(len(obs), dtype=torch.long), {}), value_fn)
+    buf = sampler.collect(lambda obs, cols: (torch.zeros(len(obs), dtype=torch.long), {}), value_fn)
     trunc = buf["truncated"]
     assert torch.equal(trunc[:, 0].nonzero().flatten(), torch.tensor([2, 5, 8]))
     assert not buf["terminated"].any()

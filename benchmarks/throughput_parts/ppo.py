@@ -65,8 +65,7 @@ def bench_raw_and_sampler(a, device: torch.device, num_actions: int) -> dict:
             e.recv()
 
     def trivial():  # random actions, no network
-        sampler.collect(lambda obs: (torch.randint(num_actions, (obs.shape[0],), device=device),
-                                     {}))
+        sampler.collect(lambda obs, _: (torch.randint(num_actions, (len(obs),), device=device), {}))
 
     raw(), trivial()  # warm-up
     times = {"raw": [], "trivial": []}
@@ -104,7 +103,7 @@ def ppo_policy(ppo, num_actions: int, device: torch.device, seed: int):
     """(policy, value_fn, extras) with PPO's network and its own act()."""
     torch.manual_seed(seed)
     agent = ppo.Agent(num_actions).to(device)
-    return (lambda obs: ppo.act(agent, obs)), (lambda o: agent(o)[1]), ("logprob", "value")
+    return (lambda obs, _: ppo.act(agent, obs)), (lambda o: agent(o)[1]), ("logprob", "value")
 
 
 def bench_learner(a, ppo, device: torch.device, num_actions: int) -> dict:
