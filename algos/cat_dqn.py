@@ -219,10 +219,10 @@ def main() -> None:
                                             counters)
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    feed = replay_feed.ReplayFeed(args, world, model,
-                                  partial(C51Network, num_actions, support, args.dueling,
-                                          args.precision, args.channels_last),
-                                  "q_values", global_step, cores)
+    feed = replay_feed.make(args, world, model, partial(C51Network, num_actions, support,
+                                                        args.dueling, args.precision,
+                                                        args.channels_last),
+                            "q_values", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     run.begin(global_step, global_batch, eval_env=eval_env,
               log_every=max(1, 2048 // (args.num_steps * args.num_envs)),

@@ -194,10 +194,9 @@ def main() -> None:
     schedule_step = global_step  # asynchronous: the machine's step count at the last rollout
 
     global_batch = args.num_steps * args.num_envs * world.world_size
-    feed = replay_feed.ReplayFeed(args, world, model,
-                                  partial(QNetwork, num_actions, args.dueling, args.precision,
-                                          args.channels_last),
-                                  "forward", global_step, cores)
+    feed = replay_feed.make(args, world, model, partial(QNetwork, num_actions, args.dueling,
+                                                        args.precision, args.channels_last),
+                            "forward", global_step, cores)
     eval_eps = torch.full((args.eval_envs,), args.eval_epsilon, device=device)
     run.begin(global_step, global_batch, eval_env=eval_env,
               log_every=max(1, 2048 // (args.num_steps * args.num_envs)),

@@ -64,56 +64,103 @@ def make_explorer(make_net, num_envs: int, q: str, compile: bool) -> Explorer:
     return Explorer(make_net(), num_envs, q, compile)
 
 
-class ReplayFeed:
-    """`net`: the learner's Q-network; `make_net()` builds a copy for a sampler process (a
+def make(args, world, net: torch.nn.Module, make_net, q: str, global_step: int,
+         cores: list[int]) -> ReplayFeed:
+    """The rank's feed, chosen once: sampling in this process, or (--async-sampling) in a sampler
+    process. `net`: the learner's Q-network; `make_net()` builds a copy for a sampler process (a
     module-level class or partial); `q`: net's method giving Q values [n, A]; `cores`: the
     sampler's (common.async_sampler.pin)."""
+    if args.async_sampling:
+        return AsyncReplayFeed(args, world, net, make_net, q, global_step, cores)
+    return ReplayFeed(args, world, net, q, global_step)
+
+
+def explorer(args, world, net: torch.nn.Module, q: str, global_step: int, compile: bool):
+    """The rank's explorer, with the epsilons its first rollouts act with (a resume's, or
+    apex's, not 1)."""
+    out = Explorer(net, args.num_envs, q, compile).to(world.device)
+    out.eps.copy_(epsilons(args, global_step, world.rank, world.world_size))
+    return out
+
+
+def env_kwargs(args) -> dict:
+    return dict(env_id=args.env_id, num_envs=args.num_envs, groups=2 if args.alternate else 1,
+                episodic_life=args.episodic_life, sticky_actions=args.sticky_actions,
+                fire_reset=args.fire_reset)
+
+
+class ReplayFeed:
+    """Synchronous: each collect steps the environments here, with the current parameters."""
+
+    def __init__(self, args, world, net: torch.nn.Module, q: str, global_step: int):
+        self.explorer = explorer(args, world, net, q, global_step, args.compile)
+        self.sampler = Sampler(envs.make_envs(**env_kwargs(args)), args.num_steps, world.device,
+                               clip_rewards=args.clip_rewards)
+        self.sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
+
+    def collect(self, eps: torch.Tensor, replay, phases) -> torch.Tensor:
+        """One rollout of T x B steps into `replay`, with epsilons eps [B]; its sampling times go
+        to `phases` (common.logger.PhaseClock). Returns the epsilons [B] the rollout acted with."""
+        self.explorer.eps.copy_(eps)
+        finals = []  # the truncated episodes' last observations, in the order met
+
+        def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
+            finals.append(obs)
+            return torch.zeros(len(obs), device=obs.device)
+
+        s, env0, inf0 = self.sampler, self.sampler.time_env, self.sampler.time_inference
+        rollout = {**s.collect(self.explorer, value_fn=keep_final), "next_obs": s.next_obs}
+        replay.add(*(rollout[k] for k in KEYS), torch.cat(finals) if finals else None)
+        phases.add("env", s.time_env - env0)
+        phases.add("inference", s.time_inference - inf0)
+        return eps
+
+    def publish(self) -> None:
+        """After the updates (asynchronous: to the sampler process); nothing to do here."""
+
+    def end_iteration(self, run, global_step: int, acted: torch.Tensor, counters: dict) -> bool:
+        """`run.end_iteration` with the DQN family's log: the mean epsilon the rollout acted
+        with (`acted` [B]), the replay ratio so far, its games, and no ETA before learning
+        starts; True to stop."""
+        learn_from = counters["learn_from"]
+        return run.end_iteration(
+            global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
+                                  replay_shard.ratio(counters, run.args, run.world.world_size)},
+            self.pop_episodes, warmup_until=learn_from,
+            status=lambda: status(acted, learn_from, global_step))
+
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """Games finished since the last call: (true return, length in agent steps)."""
+        return self.sampler.pop_episodes()
+
+    def close(self) -> None:
+        for e in self.sampler.envs:
+            e.close()
+
+
+class AsyncReplayFeed(ReplayFeed):
+    """--async-sampling: a sampler process steps the environments while this one learns; a
+    rollout acts with the parameters and epsilons published --num-buffers - 1 rounds before."""
 
     def __init__(self, args, world, net: torch.nn.Module, make_net, q: str, global_step: int,
                  cores: list[int]):
-        device, B = world.device, args.num_envs
-        seeds = envs.env_seeds(args.seed, world.rank, B, offset=global_step)
-        env_kwargs = dict(env_id=args.env_id, num_envs=B, groups=2 if args.alternate else 1,
-                          episodic_life=args.episodic_life, sticky_actions=args.sticky_actions,
-                          fire_reset=args.fire_reset)
-        self.asynchronous, self.episodes, self.version = args.async_sampling, [], 0
-        self.rank = world.rank
-        self.explorer = Explorer(net, B, q, args.compile and not self.asynchronous).to(device)
-        # the sampler process's first rollouts act with these (a resume's, or apex's, not 1)
-        self.explorer.eps.copy_(epsilons(args, global_step, world.rank, world.world_size))
+        self.rank, self.episodes, self.version = world.rank, [], 0
+        self.explorer = explorer(args, world, net, q, global_step, compile=False)
         self.acted = {0: self.explorer.eps.clone()}  # published version -> its epsilons [B]
-        if self.asynchronous:
-            seed = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
-            self.sampler = AsyncSampler(
-                partial(make_explorer, make_net, B, q, args.compile), act, None,
-                {**env_kwargs, "num_threads": len(cores)}, args.num_steps, seeds, self.explorer,
-                device, clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
-                seed=int(seed[0]), cores=cores, threads=max(1, len(cores)), final_obs=True)
-            self.upload, self.held = None, None  # held: the last rollout's buffer index
-        else:
-            self.sampler = Sampler(envs.make_envs(**env_kwargs), args.num_steps, device,
-                                   clip_rewards=args.clip_rewards)
-            self.sampler.reset(seeds)
+        seed = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
+        self.sampler = AsyncSampler(
+            partial(make_explorer, make_net, args.num_envs, q, args.compile), act, None,
+            {**env_kwargs(args), "num_threads": len(cores)}, args.num_steps,
+            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
+            self.explorer, world.device, clip_rewards=args.clip_rewards,
+            num_buffers=args.num_buffers, seed=int(seed[0]), cores=cores,
+            threads=max(1, len(cores)), final_obs=True)
+        self.upload, self.held = None, None  # held: the last rollout's buffer index
 
     def collect(self, eps: torch.Tensor, replay, phases) -> torch.Tensor:
-        """One rollout of T x B steps into `replay`, with epsilons eps [B] (asynchronous: with
-        those of the parameters it was sampled with, --num-buffers - 1 publishes older); its
-        sampling times go to `phases` (common.logger.PhaseClock). Returns the epsilons [B] the
-        rollout acted with."""
+        """One rollout from the sampler process into `replay`; returns the epsilons [B] of the
+        parameters it was sampled with (--num-buffers - 1 publishes older than eps [B])."""
         self.explorer.eps.copy_(eps)
-        if not self.asynchronous:
-            finals = []  # the truncated episodes' last observations, in the order met
-
-            def keep_final(obs):  # the sampler's value_fn hook, called only at time limits
-                finals.append(obs)
-                return torch.zeros(len(obs), device=obs.device)
-
-            s, env0, inf0 = self.sampler, self.sampler.time_env, self.sampler.time_inference
-            rollout = {**s.collect(self.explorer, value_fn=keep_final), "next_obs": s.next_obs}
-            replay.add(*(rollout[k] for k in KEYS), torch.cat(finals) if finals else None)
-            phases.add("env", s.time_env - env0)
-            phases.add("inference", s.time_inference - inf0)
-            return eps
         i, info = self._watch(self.sampler.get)
         rollout = self.sampler.rollout(i)  # CPU tensors in shared memory
         k = int(rollout["truncated"].sum())  # no device sync: the mask is in host memory
@@ -134,12 +181,11 @@ class ReplayFeed:
 
     def publish(self) -> None:
         """After the updates: the sampler process's next rollouts act with the new parameters and
-        the epsilons of the last collect (synchronous: nothing to do)."""
-        if self.asynchronous:
-            self.version += 1
-            self.acted[self.version] = self.explorer.eps.clone()
-            self._watch(self.sampler.publish, self.explorer, self.version)
-            self.sampler.release(self.held)
+        the epsilons of the last collect."""
+        self.version += 1
+        self.acted[self.version] = self.explorer.eps.clone()
+        self._watch(self.sampler.publish, self.explorer, self.version)
+        self.sampler.release(self.held)
 
     def _watch(self, call, *args):
         """A dead sampler process ends this rank with one line, as APPO's learner ends."""
@@ -150,27 +196,9 @@ class ReplayFeed:
             self.sampler.close()
             dist.finish(1)  # leaves the group (NCCL peers fail at once); no return
 
-    def end_iteration(self, run, global_step: int, acted: torch.Tensor, counters: dict) -> bool:
-        """`run.end_iteration` with the DQN family's log: the mean epsilon the rollout acted
-        with (`acted` [B]), the replay ratio so far, its games, and no ETA before learning
-        starts; True to stop."""
-        learn_from = counters["learn_from"]
-        return run.end_iteration(
-            global_step, lambda: {"charts/epsilon": acted.mean().item(), "charts/replay_ratio":
-                                  replay_shard.ratio(counters, run.args, run.world.world_size)},
-            self.pop_episodes, warmup_until=learn_from,
-            status=lambda: status(acted, learn_from, global_step))
-
     def pop_episodes(self) -> list[tuple[float, int]]:
-        """Games finished since the last call: (true return, length in agent steps)."""
-        if not self.asynchronous:
-            return self.sampler.pop_episodes()
         out, self.episodes = self.episodes, []
         return out
 
     def close(self) -> None:
-        if self.asynchronous:
-            self.sampler.close()
-        else:
-            for e in self.sampler.envs:
-                e.close()
+        self.sampler.close()

@@ -14,7 +14,7 @@ from common import envs
 from common.async_sampler import AsyncSampler
 from common.exploration import Explorer, act
 from common.replay import Replay
-from common.replay_feed import ReplayFeed
+from common import replay_feed
 from common.sampler import Sampler
 from tests.conftest import expect_error, read_summary, run_script
 from tests.test_appo import _shm, _shm_left, interrupt_a_sampling_run, kill_a_sampler
@@ -128,7 +128,7 @@ def test_both_modes_put_the_same_transitions_in_the_replay(alternate):
     replays = []
     for asynchronous in (False, True):
         args = _feed_args(async_sampling=asynchronous, alternate=alternate)
-        feed = ReplayFeed(args, world, Follow(), Follow, "forward", 0, [])
+        feed = replay_feed.make(args, world, Follow(), Follow, "forward", 0, [])
         replay = Replay(400, 4, CPU, n_step=3)
         try:
             for _ in range(3):
@@ -155,8 +155,9 @@ def test_collect_returns_the_epsilons_the_rollout_acted_with(asynchronous):
     phases = SimpleNamespace(add=lambda *a: None)
     added = []
     replay = SimpleNamespace(device=CPU, add=lambda obs, actions, *rest: added.append(actions.clone()))
-    feed = ReplayFeed(_feed_args(async_sampling=asynchronous, env_id="tests.catch_env:Catch-v0"),
-                      world, Greedy0(), Greedy0, "forward", 0, [])
+    feed = replay_feed.make(_feed_args(async_sampling=asynchronous,
+                                       env_id="tests.catch_env:Catch-v0"),
+                            world, Greedy0(), Greedy0, "forward", 0, [])
     acted = []
     try:
         for k in range(8):
