@@ -19,7 +19,7 @@ from common.async_sampler import AsyncSampler, SamplerDied
 from tests.conftest import ROOT, run_two_ranks
 
 
-def _policy(model, obs):
+def _policy(model, obs, cols):
     return torch.zeros(len(obs), dtype=torch.long), {}
 
 
