@@ -11,8 +11,7 @@ Launch:
     python algos/cat_dqn.py --preset c51-nature                           # the 2017 settings
     torchrun --standalone --nproc_per_node 8 algos/cat_dqn.py             # 8 GPUs, one machine
     python algos/cat_dqn.py --no-cuda --async-sampling --sampler-cores 0  # 2 CPU cores
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 algos/cat_dqn.py                       # 2 machines
+    (several machines: README, Launching)
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ from common.run import Run
 
 @dataclass
 class Args(ReplayArgs):  # the flags every script and the DQN family share: common/
-    total_timesteps: int = 10_000_000
-    """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
     """environments per rank; 16 x --num-steps 16 = 256 steps per iteration, one update at 2048"""
 

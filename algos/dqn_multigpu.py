@@ -12,8 +12,7 @@ Launch:
     torchrun --standalone --nproc_per_node 8 algos/dqn_multigpu.py        # 8 GPUs, one machine
     torchrun --standalone --nproc_per_node 4 algos/dqn_multigpu.py --asynchronous
     python algos/dqn_multigpu.py --no-cuda --async-sampling --sampler-cores 0   # 2 CPU cores
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 algos/dqn_multigpu.py                  # 2 machines
+    (several machines: README, Launching)
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ from common.run import Run
 
 @dataclass
 class Args(ReplayArgs):  # the flags every script and the DQN family share: common/
-    total_timesteps: int = 10_000_000
-    """environment steps over all ranks (frames are 4x this); the paper's DQN runs: 50M"""
     num_envs: int = 16
     """environments per rank; 16 x --num-steps 4 = 64 steps per iteration, one update at 512"""
 

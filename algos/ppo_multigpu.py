@@ -9,8 +9,7 @@ Hyperparameters follow CleanRL's `ppo_atari.py`, which matches the PPO paper's A
 Launch:
     python algos/ppo_multigpu.py --env-id Pong-v5                         # one process
     torchrun --standalone --nproc_per_node 8 algos/ppo_multigpu.py        # 8 GPUs, one machine
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 algos/ppo_multigpu.py                  # 2 machines
+    (several machines: README, Launching)
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from common.sampler import Sampler
 
 @dataclass
 class Args(RunArgs):  # the flags every script shares: common/run.py
-    total_timesteps: int = 10_000_000
-    """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget"""
     num_envs: int = 8
     """environments per rank (paper: 8 per GPU for PPO)"""
     num_steps: int = 128

@@ -35,6 +35,9 @@ class RunArgs:
     Gymnasium id (also 'module:Name-v0') with uint8 (4, 84, 84) observations and discrete actions"""
     seed: int = 1
     """seed for parameters, exploration and environments (each rank and environment gets its own)"""
+    total_timesteps: int = 10_000_000
+    """environment steps over all ranks (frames are 4x this); 10M is CleanRL's Atari budget, the
+    paper's DQN runs took 50M"""
     cuda: bool = True
     """use cuda:LOCAL_RANK with NCCL when a GPU exists; --no-cuda forces the CPU with gloo"""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
