@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, cli, dist, evaluation, gpu
+from common import async_sampler, dist, evaluation, gpu
 from common import replay_feed, replay_shard
 from common.exploration import epsilon_greedy, epsilons
 from common.grad_step import AllReduceStep
@@ -189,7 +189,6 @@ def make_optimizer(model: C51Network, args: Args) -> torch.optim.Optimizer:
 def main() -> None:
     run = Run(Args, presets=PRESETS)
     args, world, device = run.args, run.world, run.device
-    cli.check_q_learning(args)
     if not args.v_min < args.v_max:
         dist.fail(f"--v-min must be below --v-max, got [{args.v_min}, {args.v_max}]")
     cores = async_sampler.pin(args, world)

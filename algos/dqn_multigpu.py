@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-from common import async_sampler, central_optim, cli, dist, evaluation, gpu, grad_step
+from common import async_sampler, central_optim, dist, evaluation, gpu, grad_step
 from common import replay_feed, replay_shard
 from common.exploration import epsilon_greedy, epsilons
 from common.replay_feed import ReplayArgs
@@ -164,7 +164,6 @@ def make_optimizer(model: QNetwork, args: Args) -> torch.optim.Optimizer:
 def main() -> None:
     run = Run(Args, presets=PRESETS)
     args, world, device = run.args, run.world, run.device
-    cli.check_q_learning(args)
     if args.asynchronous:
         central_optim.check(args, world)
         if args.optimizer != "adam":

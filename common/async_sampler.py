@@ -133,6 +133,8 @@ def pin(args, world) -> list[int]:
     process; the learner (this process, and threads it starts from now on) moves to the cores no
     sampler has. Cores this process may not use end the run in one line."""
     sampler_cores = args.sampler_cores
+    if sampler_cores and not getattr(args, "async_sampling", True):  # the DQN family's switch
+        dist.fail("--sampler-cores pins the sampler process of --async-sampling: add that flag")
     allowed = os.sched_getaffinity(0)
     if not set(sampler_cores) <= allowed:
         dist.fail(f"--sampler-cores {list(sampler_cores)} are not all among the cores this "

@@ -1,7 +1,7 @@
 """Command line: tyro parsing, the run to start or continue, and the checks every script's shared
-flags need (and the DQN family's, in check_q_learning). Every problem a user can cause here ends
-in one line from rank 0 and exit code 2 on every rank, before any environment or run directory
-exists, so nothing can hang or be left behind.
+flags need. Every problem a user can cause here ends in one line from rank 0 and exit code 2 on
+every rank, before any environment or run directory exists, so nothing can hang or be left
+behind.
 """
 
 from __future__ import annotations
@@ -102,9 +102,3 @@ def _with_preset(cls, argv: list[str], presets: dict[str, dict]) -> list[str]:
             flags += [flag, repr(value) if isinstance(value, float) else str(value)]
     return flags + argv
 
-
-def check_q_learning(args) -> None:
-    """The DQN family's own flag combinations (dqn_multigpu.py, cat_dqn.py), refused with one
-    line (their ranges: out_of_range)."""
-    if args.sampler_cores and not args.async_sampling:
-        dist.fail("--sampler-cores pins the sampler process of --async-sampling: add that flag")
