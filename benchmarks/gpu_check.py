@@ -13,10 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,14 +23,13 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
-from benchmarks.errors import UserError, fail  # noqa: E402
-from benchmarks.training import (Training, command, descendants, phase_shares,  # noqa: E402
-                                 summary)
+from benchmarks.errors import UserError, fail, stop_on_sigterm  # noqa: E402
+from benchmarks.training import Training, command, phase_shares, summary  # noqa: E402
 
 ENV_ID = "Breakout-v5"
 FAIL_VAR = "GPU_CHECK_FAIL_STEP"
 QUICK_TIMEOUT = 240.0  # per step on a CPU: a guard against hangs, not a budget
-GRACE = 15.0  # seconds a timed-out step's processes get to exit on SIGTERM (torchrun forwards it)
+GRACE = 15.0  # seconds a timed-out step gets to stop its runs (SIGTERM) before SIGKILL
 
 
 @dataclass
@@ -412,6 +408,7 @@ STEPS = {
 def run_step_here(args: Args) -> None:
     """The --step process: run one step and write its rows to WORK/steps/NAME.json."""
     c = SimpleNamespace(cuda=args.cuda, s=sizes(args.quick), work=Path(args.work), results={})
+    stop_on_sigterm()  # the parent's stop: the step's training runs stop cleanly
     try:
         if os.environ.get(FAIL_VAR) == args.step:
             raise StepError(f"forced failure ({FAIL_VAR}={args.step})")
@@ -433,30 +430,6 @@ def run_step_here(args: Args) -> None:
 
 # ---- the parent: run the steps, collect the table ----
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """End a timed-out step and every process under it (its training runs have sessions of
-    their own): SIGTERM (the scripts save and stop), then SIGKILL whatever is left after GRACE
-    seconds."""
-    pids = [proc.pid, *descendants(proc.pid)]
-
-    def send(sig: int) -> list[int]:
-        sent = []
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-                sent.append(pid)
-            except ProcessLookupError:
-                pass
-        return sent
-
-    send(signal.SIGTERM)
-    proc.wait()
-    deadline = time.monotonic() + GRACE
-    while time.monotonic() < deadline and send(0):
-        time.sleep(0.2)
-    send(signal.SIGKILL)
-
-
 def cpu_seconds() -> float:
     """CPU time of the finished steps' processes, their children included: against the wall
     time it shows how much of the machine a step had (a shared machine slows it)."""
@@ -465,27 +438,18 @@ def cpu_seconds() -> float:
 
 
 def run_step(name: str, args: Args, work: Path, timeout: float) -> dict:
-    """One step as `gpu_check.py --step NAME` in its own session, output to its log."""
+    """One step as `gpu_check.py --step NAME` in its own session, output to its log; at its
+    timeout it is stopped as benchmarks/training.py stops a run, with every run it started."""
     log = work / "logs" / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--step", name, "--work", str(work),
            "--cuda" if args.cuda else "--no-cuda", *(["--quick"] if args.quick else [])]
-    t0, cpu0 = time.perf_counter(), cpu_seconds()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            status = "ok" if proc.wait(timeout=timeout) == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            status = "timeout"
-        except BaseException:  # Ctrl-C: leave no step running behind
-            stop_group(proc)
-            raise
+    cpu0 = cpu_seconds()
+    t = Training(cmd, log=log).run(limit=timeout, grace=GRACE)
+    status = "timeout" if t.stopped else "ok" if t.returncode == 0 else "failed"
     result_file = work / "steps" / f"{name}.json"
     step = {"name": name, "title": STEPS[name][0], "status": status, "timeout_s": timeout,
-            "seconds": time.perf_counter() - t0, "cpu_seconds": cpu_seconds() - cpu0,
-            "returncode": proc.returncode,
+            "seconds": t.seconds, "cpu_seconds": cpu_seconds() - cpu0,
+            "returncode": t.returncode,
             "log": str(log), "rows": [], "gpu_memory_bytes": None, "error": None}
     if status == "ok" and result_file.is_file():
         res = json.loads(result_file.read_text())
@@ -493,7 +457,7 @@ def run_step(name: str, args: Args, work: Path, timeout: float) -> dict:
     else:
         step["status"] = "failed" if status == "ok" else status  # exit 0 but nothing written
         step["error"] = (f"timed out after {timeout:g} s; the log ends:\n" if status == "timeout"
-                         else "") + (tail(log.read_text()) or "(no output)")
+                         else "") + t.tail()
     return step
 
 
@@ -609,9 +573,7 @@ def write_report(stem: Path, report: dict) -> None:
 
 
 def main_parent(args: Args) -> int:
-    # SIGTERM (a command timeout) as an exception, so that run_step ends the step running now:
-    # its own session would not get the signal
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    stop_on_sigterm()  # a command's timeout stops the step running now, which has its own session
     names = chosen_steps(args.steps)
     timeouts = parse_timeouts(args.timeouts, args.quick)
     import torch
@@ -652,6 +614,9 @@ def main() -> None:
         sys.exit(main_parent(args))
     except UserError as e:
         fail(str(e))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the step running was stopped
+        print("stopped; the report holds the steps that ended", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ class Training:
     def run(self, until: Callable[[Training], bool] | None = None, limit: float | None = None,
             grace: float | None = 120.0) -> Training:
         """Wait for the run to end; stop it once `until(self)` holds (asked five times a second)
-        or `limit` seconds after its launch. Ctrl-C stops it too, then goes on up."""
+        or `limit` seconds after its launch. Ctrl-C (or SIGTERM after errors.stop_on_sigterm)
+        stops it too, then goes on up."""
         try:
             while self.proc.poll() is None:
                 time.sleep(0.2)
@@ -92,21 +93,21 @@ class Training:
         return time.monotonic() - self.launched
 
     def stop(self, grace: float | None = 120.0) -> None:
-        """SIGTERM to every rank; SIGKILL to the session after `grace` seconds (None: wait)."""
+        """SIGTERM to every rank; after `grace` seconds (None: wait) SIGKILL to the session and to
+        every process under the run in a session of its own (a gpu_check step's training runs)."""
         if self.proc.poll() is not None:
             return
-        self.stopped = True
+        self.stopped, under = True, descendants(self.proc.pid)
         for pid in self._ranks():
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            _kill(pid, signal.SIGTERM)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
             self.killed = True
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        for pid in under:  # gone by now, unless the run left them behind
+            _kill(pid, signal.SIGKILL)
 
     def _ranks(self) -> list[int]:
         """The processes to signal: torchrun's workers, else the run itself."""
@@ -136,6 +137,13 @@ class Training:
         (t0, s0), (t1, s1) = self.progress[0], self.progress[-1]
         return {"steady_sps": (s1 - s0) / (t1 - t0), "steady_seconds": t1 - t0,
                 "steady_steps": s1 - s0}
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def children(pid: int) -> list[int]:
