@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import atari_scores, outputs, registry  # noqa: E402
 from benchmarks.errors import checked  # noqa: E402
+from benchmarks.training import scalars  # noqa: E402
 
 
 @dataclass
@@ -80,35 +81,21 @@ def find_runs(paths: list[Path]) -> list[Path]:
 
 
 def load_run(run_dir: Path) -> RunData:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     summary_path, args_path = run_dir / "summary.json", run_dir / "args.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     run_args = summary.get("args") or (json.loads(args_path.read_text())
                                        if args_path.is_file() else {})
-    events, evals, starts, steps = [], [], [], []
-    for f in sorted(run_dir.glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        try:
-            starts.append(acc.FirstEventTimestamp())
-        except ValueError:  # an empty file
-            continue
-        tags = acc.Tags()["scalars"]
-        if "charts/episodic_return" in tags:
-            events += acc.Scalars("charts/episodic_return")
-        if "charts/eval_return" in tags:
-            evals += acc.Scalars("charts/eval_return")
-        if "charts/SPS" in tags:  # logged at every log call, games or not
-            steps += [e.step for e in acc.Scalars("charts/SPS")]
-    t0 = min(starts, default=0.0)
+    series, t0 = scalars(run_dir)
+    t0 = t0 or 0.0
+    events, evals = series.get("charts/episodic_return", []), series.get("charts/eval_return", [])
+    steps = [step for _, step, _ in series.get("charts/SPS", [])]  # every log call, games or not
     # Games logged in one call share its step; give them one time too (the call's last).
     logged = {}
-    for e in events:
-        logged[e.step] = max(logged.get(e.step, 0.0), e.wall_time)
-    events.sort(key=lambda e: (e.step, e.wall_time))  # the order the games were logged in
-    episodes = [(e.step, (logged[e.step] - t0) / 3600, e.value) for e in events]
-    evals = sorted((e.step, (e.wall_time - t0) / 3600, e.value) for e in evals)
+    for wall, step, _ in events:
+        logged[step] = max(logged.get(step, 0.0), wall)
+    events = sorted(events, key=lambda e: (e[1], e[0]))  # the order the games were logged in
+    episodes = [(step, (logged[step] - t0) / 3600, v) for _, step, v in events]
+    evals = sorted((step, (wall - t0) / 3600, v) for wall, step, v in evals)
     last = max([summary.get("global_step") or 0, *steps, *(e[0] for e in episodes),
                 *(e[0] for e in evals)]) if (summary or steps or episodes or evals) else None
     return RunData(run_dir, run_args.get("env_id", "?"), config_label(run_dir),

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs, registry  # noqa: E402
 from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
-from benchmarks.training import Training, command, phase_shares, summary  # noqa: E402
+from benchmarks.training import Training, command, phase_shares, scalars, summary  # noqa: E402
 
 STEPS_50M = 50_000_000
 
@@ -69,22 +69,9 @@ class Result:
     error: str | None = None
 
 
-def event_series(run_dir: Path) -> dict[str, list]:
-    """Every scalar tag of a run as [(wall_time, step, value)], via TensorBoard's reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, list] = {}
-    for f in sorted(run_dir.glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.wall_time, e.step, e.value) for e in acc.Scalars(tag))
-    return {k: sorted(v, key=lambda e: e[0]) for k, v in out.items()}
-
-
 def steady_state(run_dir: Path, start_step: int) -> dict:
     """Steps/s and phase shares between the logging event at start_step and the last one."""
-    series = event_series(run_dir)
+    series, _ = scalars(run_dir)
     marks = [(t, s) for t, s, _ in series.get("charts/SPS", []) if s >= start_step]
     if len(marks) < 2:
         raise ValueError("fewer than 2 logging intervals after the warm-up: raise --seconds")

@@ -7,8 +7,8 @@ echoed, and the progress lines' global steps), and stops it the scripts' clean w
 every rank, which finishes its iteration, checkpoints, writes summary.json and exits 0. The
 signal goes to the ranks, not to torchrun's agent, which would forward it but kill its workers
 30 s later, before a slow rank reaches its stop check. A run that has not exited `grace`
-seconds later is killed with its whole session. `phase_shares` is the one reading of where a
-run's time went.
+seconds later is killed with its whole session. `scalars` reads a run's TensorBoard events and
+`phase_shares` is the one reading of where a run's time went.
 """
 
 from __future__ import annotations
@@ -170,6 +170,26 @@ def summary(run_dir: Path) -> dict:
     """A run's summary.json ({} when it wrote none)."""
     path = Path(run_dir) / "summary.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def scalars(run_dir: Path) -> tuple[dict[str, list[tuple[float, int, float]]], float | None]:
+    """A run's TensorBoard scalars, {tag: [(wall time, global step, value)]} in the order they
+    were written, and the wall time of its first event (None: no events)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, list] = {}
+    starts = []
+    for f in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})  # 0: every event
+        acc.Reload()
+        try:
+            starts.append(acc.FirstEventTimestamp())
+        except ValueError:  # an empty file
+            continue
+        for tag in acc.Tags()["scalars"]:
+            series.setdefault(tag, []).extend((e.wall_time, e.step, e.value)
+                                              for e in acc.Scalars(tag))
+    return {k: sorted(v, key=lambda e: e[0]) for k, v in series.items()}, min(starts, default=None)
 
 
 def phase_shares(phase_seconds: dict[str, float], wall: float) -> dict | None:

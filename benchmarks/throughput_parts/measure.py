@@ -13,7 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts s
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.training import ROOT, Training, command, phase_shares, summary  # noqa: E402
+from benchmarks.training import (ROOT, Training, command, phase_shares,  # noqa: E402
+                                 scalars, summary)
 from common.trained import load_algo  # noqa: E402,F401  # the throughput parts' loader
 
 
@@ -114,15 +115,8 @@ def drain(sampler, steps_per_rollout: int, seconds: float) -> dict:
 
 def scalar_series(run_dir: Path, tags) -> dict[str, dict[int, float]]:
     """A run's TensorBoard scalars: {tag: {global step: value}} for those of `tags` it logged."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    series: dict[str, dict[int, float]] = {}
-    for f in run_dir.glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        for tag in tags:
-            if tag in acc.Tags()["scalars"]:
-                series.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return series
+    series, _ = scalars(run_dir)
+    return {t: {step: v for _, step, v in series[t]} for t in tags if t in series}
 
 
 def fmt(x: float | None) -> str:
