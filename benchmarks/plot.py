@@ -167,10 +167,12 @@ def plot_games(rows: list[dict], out: Path, window: int) -> list[Path]:
         for ax, axis, label in ((axes[0], "env_steps", "environment steps"),
                                 (axes[1], "hours", "wall-clock hours")):
             for config in sorted({r["config"] for r in rows if r["game"] == game}):
-                pts = [r for r in rows if (r["game"], r["config"], r["axis"]) == (game, config, axis)]
+                pts = [r for r in rows
+                       if (r["game"], r["config"], r["axis"]) == (game, config, axis)]
                 x = [p["x"] for p in pts]
+                seeds = pts[0]["seeds"]
                 line, = ax.plot(x, [p["mean"] for p in pts], "o-" if len(pts) == 1 else "-",
-                                label=f"{config} ({pts[0]['seeds']} seed{'s' * (pts[0]['seeds'] > 1)})")
+                                label=f"{config} ({seeds} seed{'s' * (seeds > 1)})")
                 ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts],
                                 color=line.get_color(), alpha=0.2)
             ax.set_xlabel(label)

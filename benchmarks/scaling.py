@@ -27,7 +27,8 @@ STEPS_50M = 50_000_000
 @dataclass
 class Args:
     algos: tuple[str, ...] = tuple(registry.ALGOS)
-    """configurations to measure (benchmarks/registry.py); those whose script is missing are skipped"""
+    """configurations to measure (benchmarks/registry.py); those whose script is missing are
+    skipped"""
     ranks: tuple[int, ...] = (1, 2, 4, 8)
     """rank counts (torchrun --nproc_per_node); counts that do not fit the machine are skipped"""
     env_id: str = "Pong-v5"

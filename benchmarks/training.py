@@ -41,8 +41,9 @@ def command(script: str | Path, flags: list[str], ranks: int | None = None) -> l
 
 class Training:
     """A training run in a child process. `progress`: (seconds since launch, global step) of each
-    progress line; `launched_at` (time.time()), `returncode`, `seconds` (launch to exit), `stopped` (this side stopped it),
-    `killed` (it outlived its grace); `lines`: its output, `tail()` the last lines."""
+    progress line; `launched_at` (time.time()), `returncode`, `seconds` (launch to exit),
+    `stopped` (this side stopped it), `killed` (it outlived its grace); `lines`: its output,
+    `tail()` the last lines."""
 
     def __init__(self, cmd: list[str], log: Path | None = None, echo: bool = False,
                  env: dict[str, str] | None = None, append: bool = False):

@@ -101,12 +101,12 @@ def pick_device(cuda: bool, local_rank: int, backend: str = "auto") -> torch.dev
 def shared_gpu(gpus: list[str]) -> str | None:
     """Why NCCL would refuse the ranks' "host/GPU uuid"s (rank order): two on one GPU; or None."""
     first: dict[str, int] = {}
-    for rank, gpu in enumerate(gpus):
-        if gpu in first:
-            return (f"ranks {first[gpu]} and {rank} would share GPU {gpu.split('/')[-1][:13]} on "
-                    f"{gpu.split('/')[0]}, which NCCL refuses; launch one rank per GPU, or pass "
+    for rank, g in enumerate(gpus):
+        if g in first:
+            return (f"ranks {first[g]} and {rank} would share GPU {g.split('/')[-1][:13]} on "
+                    f"{g.split('/')[0]}, which NCCL refuses; launch one rank per GPU, or pass "
                     "--backend gloo to let ranks share a GPU")
-        first[gpu] = rank
+        first[g] = rank
     return None
 
 

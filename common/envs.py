@@ -33,8 +33,8 @@ def ale_game(env_id: str) -> str | None:
         return spec.kwargs.get("game") if spec.entry_point == "ale_py.env:AtariEnv" else None
     m = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9]+?)(?:NoFrameskip|Deterministic)?-v\d+", env_id)
     if m is None:
-        raise EnvError(f"unknown environment id {env_id!r}: expected an Atari game such as Pong-v5, "
-                       "a registered Gymnasium id, or 'module:Name-v0'")
+        raise EnvError(f"unknown environment id {env_id!r}: expected an Atari game such as "
+                       "Pong-v5, a registered Gymnasium id, or 'module:Name-v0'")
     spec = gym.registry.get(f"ALE/{m.group(1)}-v5")
     if spec is None:
         raise EnvError(f"unknown Atari game {env_id!r}; list the valid names with: python -c "

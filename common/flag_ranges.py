@@ -29,7 +29,8 @@ RANGES = {
     # the optimisation
     "learning_rate": POSITIVE, "adam_eps": POSITIVE, "rmsprop_alpha": "[0, 1)",
     "rmsprop_eps": POSITIVE, "max_grad_norm": NONNEG, "gamma": UNIT, "gae_lambda": UNIT,
-    "clip_coef": POSITIVE, "ent_coef": NONNEG, "vf_coef": NONNEG, "target_kl": POSITIVE, "kl_threshold": POSITIVE,
+    "clip_coef": POSITIVE, "ent_coef": NONNEG, "vf_coef": NONNEG, "target_kl": POSITIVE,
+    "kl_threshold": POSITIVE,
     "imp_samp_max": NONNEG, "priority_alpha": UNIT, "priority_beta": UNIT,
     "eps_start": UNIT, "eps_end": UNIT, "eval_epsilon": UNIT, "epsilon": UNIT,
     # the benchmarks'

@@ -163,7 +163,7 @@ class Logger:
             "sps": (global_step - self.start_step) / max(wall, 1e-9),
             "episodes": self.episodes,
             "restarts": self.restarts,
-            "mean_return_last100": (sum(self.returns) / len(self.returns)) if self.returns else None,
+            "mean_return_last100": sum(self.returns) / len(self.returns) if self.returns else None,
             "world_size": self.world.world_size,
             "device": str(self.world.device),
             "gpu": self.world.device.type == "cuda",

@@ -64,7 +64,7 @@ def locate(args, script: str) -> tuple[Path, Path | None]:
             raise FileExistsError(f"run directory {run_dir} exists and is not the run of {ckpt}; "
                                   "a resume writes into its own run or a new directory")
         return run_dir, ckpt
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.env_id, script, args.seed)
+    run_dir = Path(args.run_dir or default_run_dir(args.env_id, script, args.seed))
     if run_dir.exists():
         raise FileExistsError(f"run directory {run_dir} exists; pass --resume {run_dir} (or "
                               "--resume auto) to continue it, or choose another --run-dir")

@@ -84,7 +84,8 @@ class Sampler:
         h["truncated"][t, cols] = truncated
         if final_obs is not None and value_fn is not None:  # rare: a time limit was hit
             idx = torch.from_numpy(np.flatnonzero(truncated)).to(self.device) + cols.start
-            b["final_values"][t, idx] = value_fn(torch.from_numpy(final_obs).to(self.device)).float()
+            final_obs = torch.from_numpy(final_obs).to(self.device)
+            b["final_values"][t, idx] = value_fn(final_obs).float()
         dest = self.next_obs[cols] if t + 1 == self.T else b["obs"][t + 1, cols]
         # numpy's copy: torch's wakes its OpenMP threads for 225 KB, 4x slower on a CPU
         np.copyto((dest if self.stage is None else self.stage[cols]).numpy(), obs)

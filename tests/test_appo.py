@@ -1,4 +1,5 @@
-"""appo_async.py: the central chunked-lock optimizer (Adam; RMSProp for A3C), PPO's update, learning, torchrun + resume, faults."""
+"""appo_async.py: the central chunked-lock optimizer (Adam; RMSProp for A3C), PPO's update,
+learning, torchrun + resume, faults."""
 
 import math
 import os

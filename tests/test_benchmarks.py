@@ -58,7 +58,8 @@ def test_smoke_experiment_end_to_end(tmp_path):
 
     again = bench("experiments.py", *sweep)  # a restarted sweep skips finished runs
     assert again.returncode == 0, again.stderr
-    assert again.stdout.count("(finished: summary.json exists)") == 2 and "nothing to run" in again.stdout
+    assert again.stdout.count("(finished: summary.json exists)") == 2
+    assert "nothing to run" in again.stdout
     assert bench("experiments.py", *sweep, "--print-commands").stdout == ""
 
     out = tmp_path / "plots"
@@ -151,7 +152,8 @@ def test_plot_names_each_run_and_how_it_ended(tmp_path, capsys, monkeypatch):
                 w.add_scalar("charts/SPS", 100.0, 64)
     monkeypatch.setattr(sys, "argv", ["plot.py", str(runs)])
     plot.main()
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ppo_multigpu | Pong")]
+    rows = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("| ppo_multigpu | Pong")]
     assert rows == [
         "| ppo_multigpu | Pong-v5 | 1 | -20.50 | 0.006 | Pong-v5__ppo_multigpu__1__1 | finished |",
         "| ppo_multigpu | Pong-v5 | 1 | -21.00 | -0.008 | Pong-v5__ppo_multigpu__1__2 | "

@@ -2,7 +2,6 @@
 too, uploaded with --track (offline here); refused in one line where it cannot record."""
 
 import glob
-import json
 import os
 import subprocess
 import sys

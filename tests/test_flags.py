@@ -71,7 +71,8 @@ def test_shared_flags_are_identical(a, b):
 
 def test_the_flags_every_script_needs_are_in_every_script():
     shared = {"env_id", "seed", "total_timesteps", "num_envs", "cuda", "run_dir", "alternate",
-              "checkpoint_interval", "checkpoint_minutes", "resume", "keep_checkpoints", "collective_timeout",
+              "checkpoint_interval", "checkpoint_minutes", "resume", "keep_checkpoints",
+              "collective_timeout",
               "episodic_life", "sticky_actions", "clip_rewards", "fire_reset", "eval_interval",
               "eval_episodes", "eval_envs", "eval_max_steps", "backend", "compile"}
     for script, flags in FLAGS.items():

@@ -115,7 +115,8 @@ def test_failed_and_timed_out_steps_are_reported_and_the_others_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "ale", "warp"], "unknown step 'warp'; choose from sprint, ale, sampler, modes, ppo"),
+    (["--steps", "ale", "warp"],
+     "unknown step 'warp'; choose from sprint, ale, sampler, modes, ppo"),
     (["--timeouts", "ppo=soon"], "--timeouts takes NAME=SECONDS"),
     (["--timeouts", "nope=3"], "--timeouts takes NAME=SECONDS"),
 ])

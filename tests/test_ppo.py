@@ -1,4 +1,5 @@
-"""ppo_multigpu.py: distributed equivalence, end to end with resume, signals, learning, bad input."""
+"""ppo_multigpu.py: distributed equivalence, end to end with resume, signals, learning, bad
+input."""
 
 import signal
 import time

@@ -206,7 +206,8 @@ def test_saved_shard_resumes_and_closes_its_open_episodes():
     for _ in range(5):
         batch = fresh.sample(256)
         s, c = sampled_steps(fresh, batch["indices"])
-        for i in torch.nonzero(s == 58).flatten():  # 2 steps before the cut: 2-step return, truncated
+        # 2 steps before the cut: a 2-step return, truncated
+        for i in torch.nonzero(s == 58).flatten():
             b = int(c[i])
             want = float(rewards[58, b]) + gamma * float(rewards[59, b])
             assert batch["returns"][i].item() == pytest.approx(want, rel=1e-5)

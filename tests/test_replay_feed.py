@@ -154,7 +154,8 @@ def test_collect_returns_the_epsilons_the_rollout_acted_with(asynchronous):
     world = SimpleNamespace(rank=0, world_size=1, device=CPU)
     phases = SimpleNamespace(add=lambda *a: None)
     added = []
-    replay = SimpleNamespace(device=CPU, add=lambda obs, actions, *rest: added.append(actions.clone()))
+    replay = SimpleNamespace(device=CPU,
+                             add=lambda obs, actions, *rest: added.append(actions.clone()))
     feed = replay_feed.make(_feed_args(async_sampling=asynchronous,
                                        env_id="tests.catch_env:Catch-v0"),
                             world, Greedy0(), Greedy0, "forward", 0, [])

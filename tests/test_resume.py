@@ -1,4 +1,5 @@
-"""Resume that is always right, and runs that survive faults (common/checkpoint.py, cli.py, dist.py).
+"""Resume that is always right, and runs that survive faults (common/checkpoint.py, cli.py,
+dist.py).
 
 Regression tests for the three resume bugs (schedule after a world-size change, a copied run
 writing into its original, flags read on every rank's own disk), then the faults: a killed worker

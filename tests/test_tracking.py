@@ -9,7 +9,6 @@ import struct
 import subprocess
 import sys
 
-import pytest
 
 from tests.conftest import CHILD_ENV, ROOT, read_summary, scalar_tags
 
@@ -82,5 +81,6 @@ def test_without_wandb_track_ends_in_one_line(tmp_path):
     proc = run(*TINY, "--run-dir", str(tmp_path / "run"), code=code)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --track sends the run to Weights & Biases, which is not installed: pip install wandb"]
+        "error: --track sends the run to Weights & Biases, which is not installed: "
+        "pip install wandb"]
     assert not (tmp_path / "run").exists()

@@ -13,8 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts s
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.training import (ROOT, Training, command, phase_shares,  # noqa: E402
-                                 scalars, summary)
+from benchmarks.training import (ROOT, Training, command, phase_shares,  # noqa: E402,F401
+                                 scalars, summary)  # ROOT: the parts' too
 from common.trained import load_algo  # noqa: E402,F401  # the throughput parts' loader
 
 
