@@ -60,7 +60,7 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def newest_good(folder: Path) -> Path | None:
-    """The newest checkpoint that passes its checksum (damaged newer ones skipped, warned of)."""
+    """The newest checkpoint that passes its checksum (a damaged newer one: a warning, skipped)."""
     found = checkpoints(folder)
     for path in reversed(found):
         if (problem := verify(path)) is None:

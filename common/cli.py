@@ -47,7 +47,7 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
         args = tyro.cli(cls, args=argv, default=cls(**{**known, "resume": args.resume}))
     args.run_dir, args.resume = run_dir, ckpt
     done = checkpoint.step_of(Path(ckpt)) if ckpt else None
-    if done is not None and done >= args.total_timesteps:  # nothing to train: leave the run be
+    if done is not None and done >= args.total_timesteps:  # nothing left: the run stays as it is
         if world.is_main:
             print(f"run {run_dir} already finished at step {done:,} (--total-timesteps "
                   f"{args.total_timesteps:,}); nothing to do. Pass a larger --total-timesteps to "
