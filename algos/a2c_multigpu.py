@@ -205,7 +205,8 @@ def main() -> None:
         return Categorical(logits=sample(obs)[0]).sample(), {}
 
     run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,
-              log_every=max(1, 2048 // batch_per_rank), policy=lambda obs: policy(obs)[0],
+              log_every=max(1, 2048 // batch_per_rank),
+              policy=lambda obs: Categorical(logits=agent(obs)[0]).sample(),  # eager: own shape
               checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
                                   "asynchronous": args.asynchronous})
 

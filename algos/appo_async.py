@@ -207,16 +207,17 @@ def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torc
     updates, waited = 0, 0.0
     for _ in range(args.update_epochs):
         perm = torch.randperm(n, device=adv.device)
-        kls = []
+        epoch_kl = 0.0  # summed into a new tensor: a compiled output lives until the next call
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
             loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
             waited += step(loss)[1]
-            kls.append(stats["approx_kl"])
+            epoch_kl = epoch_kl + stats["approx_kl"]
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
-        if args.target_kl is not None and torch.stack(kls).mean().item() > args.target_kl:
+        if args.target_kl is not None and (
+                epoch_kl / args.num_minibatches).item() > args.target_kl:
             break
     return {k: float(v) / updates for k, v in sums.items()}, waited
 

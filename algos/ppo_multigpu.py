@@ -197,19 +197,19 @@ def ppo_update(agent: Agent, step: AllReduceStep, batch: dict[str, torch.Tensor]
     updates, comm = 0, 0.0
     for _ in range(args.update_epochs):
         perm = torch.randperm(n, device=adv.device)
-        kls = []
+        epoch_kl = 0.0  # summed into a new tensor: a compiled output lives until the next call
         for start in range(0, n, mb_size):
             idx = perm[start:start + mb_size]
             loss, stats = loss_fn(agent, {k: v[idx] for k, v in data.items()}, args)
             comm += step(loss)[1]
-            kls.append(stats["approx_kl"])
+            epoch_kl = epoch_kl + stats["approx_kl"]
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
         if args.target_kl is None and args.kl_threshold is None:
             continue
         # ranks must agree, or they would step different counts or rates
-        kl = dist.all_reduce_mean(torch.stack(kls).mean().reshape(1)).item()
+        kl = dist.all_reduce_mean((epoch_kl / args.num_minibatches).reshape(1)).item()
         if args.kl_threshold is not None:
             step.lr = adaptive_lr(step.lr, kl, args.kl_threshold)
         if args.target_kl is not None and kl > args.target_kl:

@@ -331,6 +331,12 @@ def step_modes(c) -> list[dict]:
 
     a = modes_part.Args(algos=("ppo",), e2e=False)
     res = run_parts(c, "modes", modes=a)["ppo"]
+    for mode, r in res["learner"].items():  # the compiled learner's statistics drove the rate
+        lr = r["learning_rate"]
+        if not r["finite"] or r["optimizer_steps"] < 3 or lr[0] == lr[1]:
+            raise StepError(f"PPO learner, {mode}: statistics finite {r['finite']}, "
+                            f"{r['optimizer_steps']} timed optimizer steps, KL-adapted "
+                            f"learning rate {lr[0]:g} -> {lr[1]:g}")
     epochs, minibatch = 4, 256  # PPO's defaults, which the modes part measures
     # steps/s: environment steps per second the learner absorbs (a minibatch step per 256
     # samples, each sample seen in 4 epochs)

@@ -54,6 +54,8 @@ class AsyncSampler:
                         for k, (s, d) in shapes.items()}
         self.params = _flat(model).share_memory_()
         self.version = torch.zeros(1, dtype=torch.int64).share_memory_()
+        if compile:  # the sampler process's compile folder goes inside this process's
+            gpu.own_compile_cache()
         ctx = mp.get_context("spawn")
         self.lock, self.free, self.full = ctx.Lock(), ctx.Queue(), ctx.Queue()
         for i in range(num_buffers):

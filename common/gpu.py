@@ -49,6 +49,7 @@ def compiled(fn, on: bool):
     _compile = True
     if fn not in _compiled:
         own_compile_cache()
+        share_compile_workers()
         graph = torch.compile(fn, mode="reduce-overhead")
 
         def step(*args, **kwargs):
@@ -71,9 +72,25 @@ def own_compile_cache() -> None:
     if named and os.path.abspath(named) != _inductor_default_cache() and \
             os.environ.get("ACCELRL_COMPILE_CACHE_OF") in (None, str(os.getpid())):
         return  # the user's, or this process's already
-    folder = tempfile.mkdtemp(prefix="accelrl-compile-")
+    # A parent's folder (a sampler process's learner): this one goes inside it, so that the
+    # parent's exit removes it even when this process was killed.
+    owner = os.environ.get("ACCELRL_COMPILE_CACHE_OF")
+    parent = named if owner and owner != str(os.getpid()) else None
+    folder = tempfile.mkdtemp(prefix="accelrl-compile-",
+                              dir=parent if parent and os.path.isdir(parent) else None)
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=folder, ACCELRL_COMPILE_CACHE_OF=str(os.getpid()))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+def share_compile_workers() -> None:
+    """Inductor compiles with min(32, cores) worker processes in every process; torchrun's ranks
+    on one machine (LOCAL_WORLD_SIZE) share its cores, so each takes its share (at least 1):
+    8 ranks would otherwise start about 256. TORCHINDUCTOR_COMPILE_THREADS, when set, decides."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    import torch._inductor.config as inductor
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    inductor.compile_threads = max(1, min(32, os.cpu_count() or 1) // ranks)
 
 
 def _inductor_default_cache() -> str:

@@ -7,6 +7,9 @@ An update function calls `step(loss)` and never asks which kind it holds (paper 
   machine's central optimizer (common/central_optim.py), whose new parameters, other ranks'
   steps included, the rank then pulls. No rank waits for another's gradient.
 Both count the steps schedules follow, checkpoint their optimizer state and close the same way.
+Both give every parameter its gradient buffer before the first backward: autograd then adds each
+backward's gradients into it. Without one, autograd keeps the first backward's output as `.grad`,
+and under --compile on a GPU that output is CUDA-graph memory, overwritten at the next step.
 A script with both modes gets its step from common/central_optim.py's make_step.
 """
 
@@ -18,6 +21,13 @@ import torch.nn as nn
 from common import dist
 
 
+def own_grads(model: nn.Module) -> None:
+    """A zeroed `.grad` of the model's own for every trainable parameter that has none."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 class AllReduceStep:
     """Average gradients over ranks, clip them to `max_grad_norm` (0: no clip), step."""
 
@@ -25,6 +35,7 @@ class AllReduceStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float):
         self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
+        own_grads(model)
 
     @property
     def lr(self) -> float:
@@ -76,6 +87,7 @@ class CentralStep(AllReduceStep):
                  max_grad_norm: float):
         self.model, self.central, self.max_grad_norm = model, central, max_grad_norm
         self._lr = lr
+        own_grads(model)
 
     @property
     def lr(self) -> float:

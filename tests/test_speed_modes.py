@@ -106,7 +106,8 @@ def test_compiled_loss_is_the_eager_loss(script):
 def test_each_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
     """Inductor's shared cache races when processes compile the same graph at once (a test run
     of two compiling processes failed on it): a process gets a folder of its own, a child
-    process that inherited its parent's gets another, and a folder the user names is kept."""
+    process that inherited its parent's gets another inside it (a killed sampler process never
+    removes its own), and a folder the user names is kept."""
     import os
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ACCELRL_COMPILE_CACHE_OF", raising=False)
@@ -116,6 +117,7 @@ def test_each_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
     gpu.own_compile_cache()
     mine = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert mine != str(tmp_path) and "accelrl-compile-" in mine and os.path.isdir(mine)
+    assert os.path.dirname(mine) == str(tmp_path)  # inside the parent's: removed at its exit
     assert os.environ["ACCELRL_COMPILE_CACHE_OF"] == str(os.getpid())
     gpu.own_compile_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == mine  # made once per process
@@ -125,6 +127,27 @@ def test_each_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("ACCELRL_COMPILE_CACHE_OF")
     gpu.own_compile_cache()
     assert "accelrl-compile-" in os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_ranks_on_one_machine_share_the_compile_workers(monkeypatch):
+    """Inductor's min(32, cores) compile workers are per process: 8 torchrun ranks on a 64-core
+    machine take 4 each (not 32), one rank takes min(32, cores), and the user's
+    TORCHINDUCTOR_COMPILE_THREADS is left to decide."""
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor, "compile_threads", inductor.compile_threads)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(gpu.os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    gpu.share_compile_workers()
+    assert inductor.compile_threads == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    gpu.share_compile_workers()
+    assert inductor.compile_threads == 32
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    inductor.compile_threads = 3
+    gpu.share_compile_workers()
+    assert inductor.compile_threads == 3
 
 
 def test_fused_adam_takes_adams_step():

@@ -7,6 +7,7 @@ More: docs/benchmarks.md, `benchmarks/throughput_parts/modes.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +62,14 @@ def check(a) -> str | None:
 
 
 def learner(name: str, mode: dict, device: torch.device, seed: int):
-    """(one update of `name`'s learner in `mode`, optimizer steps it takes, a cleanup)."""
+    """(one update of `name`'s learner in `mode`, optimizer steps it takes, a cleanup, its
+    step). PPO adapts its rate to the KL as the sprint's recipe does: its per-epoch KL check is
+    timed, and the rate's change shows the compiled loss's statistics reached the schedule."""
     algo = load_algo(SCRIPTS[name])
     torch.manual_seed(seed)
     if name in ("ppo", "a2c", "appo"):
-        args = dataclasses.replace(algo.Args(), **mode)
+        args = dataclasses.replace(algo.Args(), **mode,
+                                   **({"kl_threshold": 0.01} if name == "ppo" else {}))
         agent = algo.Agent(6, args.precision, args.channels_last).to(device)
         if name == "a2c":
             T, B = args.num_steps, args.num_envs
@@ -79,44 +83,46 @@ def learner(name: str, mode: dict, device: torch.device, seed: int):
             step = AllReduceStep(agent, algo.make_optimizer(agent, args, args.learning_rate),
                                  args.max_grad_norm)
             return (lambda: algo.a2c_update(agent, step, rollout, flat["obs"][T * B:], args)), \
-                1, lambda: None
+                1, lambda: None, step
         batch = random_rollout(args.num_envs * args.num_steps, 6, device)
         steps = args.update_epochs * args.num_minibatches
         if name == "ppo":
             step = AllReduceStep(agent, gpu.adam(agent.parameters(), lr=args.learning_rate,
                                                  eps=1e-5), args.max_grad_norm)
-            return lambda: algo.ppo_update(agent, step, batch, args), steps, lambda: None
+            return lambda: algo.ppo_update(agent, step, batch, args), steps, lambda: None, step
         from common.central_optim import CentralOptimizer
         central = CentralOptimizer(agent.parameters(), args.num_chunks, eps=1e-5)
         central.unlink()
         batch["prox_logprob"], batch["prox_value"] = batch["logprob"], batch["value"]
         step = CentralStep(agent, central, args.learning_rate, args.max_grad_norm)
-        return lambda: algo.appo_update(agent, step, batch, args), steps, central.close
+        return lambda: algo.appo_update(agent, step, batch, args), steps, central.close, step
     args = dataclasses.replace(algo.Args(), **mode)
     batch = synthetic_batch(args.batch_size, 6, device, seed)
     if name == "dqn":
         model, target = (algo.QNetwork(6, args.dueling, args.precision, args.channels_last)
                          .to(device) for _ in range(2))
         step = AllReduceStep(model, algo.make_optimizer(model, args), args.max_grad_norm)
-        return lambda: algo.dqn_update(model, target, step, batch, args), 1, lambda: None
+        return lambda: algo.dqn_update(model, target, step, batch, args), 1, lambda: None, step
     support = torch.linspace(args.v_min, args.v_max, args.num_atoms, device=device)
     model, target = (algo.C51Network(6, support, args.dueling, args.precision,
                                       args.channels_last).to(device) for _ in range(2))
     step = AllReduceStep(model, algo.make_optimizer(model, args), args.max_grad_norm)
-    return lambda: algo.c51_update(model, target, step, batch, args), 1, lambda: None
+    return lambda: algo.c51_update(model, target, step, batch, args), 1, lambda: None, step
 
 
 def bench_learner(name: str, mode_name: str, a, device: torch.device) -> dict:
-    update, steps, cleanup = learner(name, MODES[mode_name], device, a.seed)
-    compiled_before = gpu.compile_seconds()
+    update, steps, cleanup, step = learner(name, MODES[mode_name], device, a.seed)
+    compiled_before, first_lr = gpu.compile_seconds(), step.lr
     for _ in range(2):  # compilation, then one more warm call
-        update()
+        stats = update()[0]
     sync(device)
     compile_s = gpu.compile_seconds() - compiled_before
     r = timed(update, steps, a.seconds, device, warmup=0)
     cleanup()
     return {"ms_per_step": 1000 / r["steps_per_s"], "optimizer_steps": r["steps"],
-            "seconds": r["seconds"], "compile_seconds": compile_s}
+            "seconds": r["seconds"], "compile_seconds": compile_s,
+            "learning_rate": [first_lr, step.lr],  # before the first update and after the last
+            "finite": all(math.isfinite(float(v)) for v in stats.values() if v is not None)}
 
 
 def run(res: dict, a, parts: set[str], device: torch.device, num_actions: int) -> None:
