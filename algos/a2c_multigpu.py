@@ -98,7 +98,7 @@ class Agent(nn.Module):
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         h = self.torso(obs.float() / 255.0)
-        return self.actor(h), self.critic(h).squeeze(-1)
+        return gpu.float32(self.actor, h), gpu.float32(self.critic, h).squeeze(-1)
 
 
 def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamma):

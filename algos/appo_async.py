@@ -119,7 +119,7 @@ class Agent(nn.Module):
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         h = self.torso(obs.float() / 255.0)
-        return self.actor(h), self.critic(h).squeeze(-1)
+        return gpu.float32(self.actor, h), gpu.float32(self.critic, h).squeeze(-1)
 
 
 def act(agent: Agent, obs: torch.Tensor, cols: slice | None = None):

@@ -116,11 +116,12 @@ class C51Network(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """obs uint8 [N, 4, 84, 84] -> atom logits [N, A, K] (float32; softmax over K)."""
         h = self.torso(obs.float() / 255.0)
-        logits = self.head(h).view(-1, self.A, self.K)
+        logits = gpu.float32(self.head[-1], self.head[:-1](h)).view(-1, self.A, self.K)
         if not self.dueling:
             return logits
         # Rainbow's distributional dueling: the advantage's mean over actions is removed per atom
-        return self.value(h)[:, None] + logits - logits.mean(1, keepdim=True)
+        value = gpu.float32(self.value[-1], self.value[:-1](h))  # [N, K]
+        return value[:, None] + logits - logits.mean(1, keepdim=True)
 
     def q_values(self, obs: torch.Tensor) -> torch.Tensor:
         """Expected returns Q(s, a) = sum_k z_k p_k(s, a) [N, A]."""

@@ -119,10 +119,11 @@ class QNetwork(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """obs uint8 [N, 4, 84, 84] -> Q values [N, A] (float32)."""
         h = self.torso(obs.float() / 255.0)
+        q = gpu.float32(self.head[-1], self.head[:-1](h))  # the advantages, if dueling
         if not self.dueling:
-            return self.head(h)
-        adv = self.head(h)  # the advantage stream; its mean is removed (Wang et al., eq. 9)
-        return self.value(h) + adv - adv.mean(1, keepdim=True)
+            return q
+        value = gpu.float32(self.value[-1], self.value[:-1](h))  # [N, 1]
+        return value + q - q.mean(1, keepdim=True)  # float32; Wang et al., eq. 9
 
 
 def td_targets(model: QNetwork, target: QNetwork, batch: dict[str, torch.Tensor],

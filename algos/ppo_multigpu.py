@@ -70,7 +70,8 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     """stop an update's epochs early when the rank-averaged approximate KL exceeds this"""
     kl_threshold: float | None = None
     """adapt the learning rate to keep each epoch's rank-averaged approximate KL near this
-    (rl_games' lr_schedule adaptive; its Pong configs: 0.01; adaptive_lr); replaces --anneal-lr"""
+    (rl_games' lr_schedule adaptive; its Pong configs: 0.01; adaptive_lr); replaces --anneal-lr;
+    a resume goes on at the adapted rate"""
     normalize_input: bool = False
     """feed the network each input element normalised by its running mean and standard deviation,
     clipped to +-5 (rl_games' normalize_input; common/running_norm.py); off: frames / 255 (PPO
@@ -114,10 +115,10 @@ class Agent(nn.Module):
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
         x = obs.float() / 255.0
         h = self.torso(self.obs_norm(x) if self.obs_norm is not None else x)
-        value = self.critic(h).squeeze(-1).float()
+        value = gpu.float32(self.critic, h).squeeze(-1)
         if self.value_norm is not None:
             value = self.value_norm.denormalize(value)
-        return self.actor(h), value
+        return gpu.float32(self.actor, h), value
 
     def value_scale(self) -> torch.Tensor | float:
         """The unit the value is learned in: the returns' running standard deviation, or 1."""
@@ -241,6 +242,8 @@ def main() -> None:
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = run.restore(model=agent, optimizer=optimizer)
     step = AllReduceStep(agent, optimizer, args.max_grad_norm)  # the paper's synchronous step
+    if args.kl_threshold is not None and run.state:  # a resume goes on at the adapted rate
+        step.lr = run.state.get("learning_rate", args.learning_rate)
 
     global_batch = batch_per_rank * world.world_size
     sampler = Sampler(env_groups, args.num_steps, device, extras=("logprob", "value"),
@@ -248,7 +251,8 @@ def main() -> None:
     sampler.reset(envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step))
     sample = gpu.compiled(agent, args.compile)
     run.begin(global_step, global_batch, sampler=sampler, eval_env=eval_env,
-              checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict()},
+              checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
+                                  "learning_rate": step.lr},
               policy=lambda obs: Categorical(logits=agent(obs)[0]).sample())  # evaluation
 
     while global_step < args.total_timesteps:

@@ -118,9 +118,12 @@ def channels_last(setting: str, device: torch.device) -> bool:
 def in_modes(forward):
     """A network's forward (decorated) in its `precision` ("fp32" or "bf16": bfloat16 autocast,
     on a GPU or a CPU with bf16 units; its backward follows) and `channels_last` setting (the
-    input, hence every convolution, in channels-last memory format). Its tensor outputs come back
-    float32, so the losses, log-probabilities, targets, the C51 projection and the optimizer's
-    state downstream never see bf16; the layout changes no value, only the summation order."""
+    input, hence every convolution, in channels-last memory format). The forward computes its
+    output layers with `float32` below, so in bf16 the torso and hidden layers run in bf16 while
+    logits, values and Q-values keep float32's resolution (bf16 would round them to about 0.4%:
+    argmax ties, noisy PPO ratios); its tensor outputs are float32, so the losses, targets, the
+    C51 projection and the optimizer's state never see bf16. The layout changes no value, only
+    the summation order."""
     @functools.wraps(forward)
     def run(self, obs: torch.Tensor, *args, **kwargs):
         if obs.dim() == 4 and channels_last(self.channels_last, obs.device):
@@ -130,6 +133,13 @@ def in_modes(forward):
             out = forward(self, obs, *args, **kwargs)
         return tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()
     return run
+
+
+def float32(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """layer(h) in float32, autocast off: a network's output layer on its (bf16) hidden
+    features, under in_modes."""
+    with torch.autocast(h.device.type, enabled=False):
+        return layer(h.float())
 
 
 def adam(params, **kwargs) -> torch.optim.Adam:

@@ -60,8 +60,9 @@ class RunArgs:
     """torch.compile the sampling step's network and the learner's minibatch loss (CUDA graphs on
     a GPU); compilation (10-60 s) is counted in the run's time (docs/results.md)"""
     precision: Literal["fp32", "bf16"] = "fp32"
-    """the network's arithmetic in learning and sampling: bf16 autocast, outputs, losses, targets
-    and optimizer state in float32 (docs/results.md: PPO's learner 2x faster on a bf16 CPU)"""
+    """the network's arithmetic in learning and sampling: bf16 autocast for the torso and hidden
+    layers; output layers, losses, targets and optimizer state in float32 (docs/results.md: PPO's
+    learner 2x faster on a bf16 CPU)"""
     channels_last: Literal["auto", "on", "off"] = "auto"
     """convolutions in channels-last memory format; auto: on a CPU (each learner 1.26-1.43x
     faster there, docs/results.md), not on a GPU (not yet measured there)"""

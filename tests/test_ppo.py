@@ -257,3 +257,21 @@ def test_kl_threshold_adapts_the_rate_once_per_epoch(threshold, factor):
     ppo.ppo_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), _batch(32, 6), args)
     dist.cleanup()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-4 * factor ** 3)
+
+
+def test_a_resume_goes_on_at_the_kl_adapted_rate(tmp_path):
+    """--kl-threshold adapts the current rate, never the launch's: a run whose tiny threshold
+    drove the rate to its floor (1e-6) is resumed there, not at --learning-rate."""
+    from benchmarks.training import scalars
+    run = tmp_path / "run"
+    flags = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-steps", "16",
+             "--learning-rate", "1e-4", "--kl-threshold", "1e-9", "--eval-interval", "0",
+             "--run-dir", str(run))
+    run_script("ppo_multigpu", *flags, "--total-timesteps", "512")  # 8 x 4 epochs: 1e-4 / 1.5^32
+    before = [v for _, step, v in scalars(run)[0]["charts/learning_rate"] if step <= 512]
+    assert before[-1] < 2e-6  # near the floor (at 1e-6 the KL can fall under the band: x 1.5)
+    run_script("ppo_multigpu", *flags, "--total-timesteps", "576", "--resume", str(run))
+    after = [v for _, step, v in scalars(run)[0]["charts/learning_rate"] if step > 512]
+    # one iteration (4 epochs) from the saved rate moves it by 1.5^4 at most; from the launch
+    # rate it would be 1e-4 / 1.5^4 = 2e-5 at least
+    assert after and after[0] <= before[-1] * 1.5 ** 4 < 1e-5

@@ -38,6 +38,49 @@ def _agrees(fp32, bf16):
     assert abs(g16.norm() / g32.norm() - 1) < 0.05
 
 
+def _reference(net, obs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The network's outputs by hand: torso and hidden layers under bf16 autocast, each output
+    layer in float32 on their output, the dueling sums in float32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = net.torso(obs.float() / 255.0)
+        hidden = {name: getattr(net, name)[:-1](h) for name in ("head", "value")
+                  if isinstance(getattr(net, name, None), torch.nn.Sequential)}
+    if not hidden:  # actor-critic: linear heads on the torso's features
+        return net.actor(h.float()), net.critic(h.float()).squeeze(-1)
+    out = {name: getattr(net, name)[-1](x.float()) for name, x in hidden.items()}
+    q = out["head"] if not hasattr(net, "K") else out["head"].view(-1, net.A, net.K)
+    if "value" not in out:
+        return (q,)
+    v = out["value"] if not hasattr(net, "K") else out["value"][:, None]
+    return (v + q - q.mean(1, keepdim=True),)
+
+
+def _networks():
+    support = torch.linspace(-10, 10, 51)
+    yield "ppo", load_algo("ppo_multigpu").Agent(6)
+    yield "a2c", load_algo("a2c_multigpu").Agent(6)
+    yield "appo", load_algo("appo_async").Agent(6)
+    for dueling in (False, True):
+        yield f"dqn dueling={dueling}", load_algo("dqn_multigpu").QNetwork(6, dueling)
+        yield f"c51 dueling={dueling}", load_algo("cat_dqn").C51Network(6, support, dueling)
+
+
+def test_output_layers_run_in_float32_on_the_bf16_features():
+    """In bf16 only the torso and hidden layers round to bf16: every network's logits, values
+    and Q-values are a float32 output layer (and dueling sum) on the bf16 features, bit for bit,
+    so they are not all bf16-representable (bf16 outputs would quantise Q-values to about 0.4%,
+    their argmax ties falling to the lowest action)."""
+    obs = replay_batch(32, 6)["obs"]
+    for name, net in _networks():
+        torch.manual_seed(0)
+        net.precision, net.channels_last = "bf16", "off"
+        out = net(obs)
+        out = out if isinstance(out, tuple) else (out,)
+        for got, want in zip(out, _reference(net, obs), strict=True):
+            assert got.dtype == torch.float32 and torch.equal(got, want), name
+            assert not torch.equal(got, got.bfloat16().float()), name
+
+
 @pytest.mark.parametrize("script", ["a2c_multigpu", "appo_async"])
 def test_policy_gradient_networks(script):
     algo = load_algo(script)
