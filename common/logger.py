@@ -206,11 +206,14 @@ class Logger:
 def track(args, run_dir: Path):
     """--track (CleanRL's flags): a Weights & Biases run named after the run directory, its id
     too (a resumed run continues it), the flags as its config, and TensorBoard's scalars synced
-    from the run's own writer (sync_tensorboard: logged once, copied). WANDB_MODE=offline keeps
-    it in run_dir/wandb/ for `wandb sync`."""
+    from the run's own writer (logged once, read by W&B). WANDB_MODE=offline keeps it in
+    run_dir/wandb/ for `wandb sync`. The events file is not copied into the W&B run
+    (sync_tensorboard=True would): W&B watches the run directory, its own folder inside, and
+    with the run directory under the working directory (the default runs/...) it copied its
+    copies, link by link, syncing every scalar again each time."""
     import wandb
 
+    wandb.tensorboard.patch(root_logdir=str(run_dir), save=False)
     return wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
                       name=run_dir.name, id=re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[-64:],
-                      resume="allow", dir=str(run_dir), config=asdict(args),
-                      sync_tensorboard=True, save_code=False)
+                      resume="allow", dir=str(run_dir), config=asdict(args), save_code=False)

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import pytest
 
 from tests.conftest import CHILD_ENV, ROOT, read_summary, scalar_tags
 
@@ -40,24 +41,35 @@ def records(path: str):
             yield record
 
 
-def run(*args, env=None, code=None):
+def run(*args, env=None, code=None, cwd=ROOT):
     cmd = [sys.executable, *(["-c", code] if code else [str(ROOT / "algos" / "ppo_multigpu.py")]),
            *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CHILD_ENV, "WANDB_MODE": "offline",
                                "WANDB_SILENT": "true", **(env or {})})
 
 
-def test_offline_run_holds_the_config_and_each_scalar_once(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run(*TINY, "--run-dir", str(run_dir))
+@pytest.mark.parametrize("where", ["absolute", "default"])
+def test_offline_run_holds_the_config_and_each_scalar_once(tmp_path, where):
+    """With an absolute --run-dir and with the default one, runs/<run> relative to the working
+    directory (which once made W&B copy the events file into itself, link by link, and sync
+    every scalar many times)."""
+    if where == "absolute":
+        run_dir = tmp_path / "run"
+        proc = run(*TINY, "--run-dir", str(run_dir))
+    else:
+        proc = run(*TINY, cwd=tmp_path)
+        (run_dir,) = (tmp_path / "runs").iterdir()
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wandb_file,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    events = [p for p in run_dir.rglob("events.out.tfevents.*")]
+    assert len(events) == 1 and events[0].parent == run_dir, events
     config, history = {}, {}
     for r in records(wandb_file):
         kind = r.WhichOneof("record_type")
         if kind == "run":
-            assert r.run.run_id == r.run.display_name == "run"  # the run directory's name
+            assert r.run.display_name == run_dir.name  # the run directory's name, its id too
+            assert r.run.run_id == run_dir.name.replace(".", "-")[-64:]
             config.update({i.key: json.loads(i.value_json) for i in r.run.config.update})
         elif kind == "config":
             config.update({i.key: json.loads(i.value_json) for i in r.config.update})
