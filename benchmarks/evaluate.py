@@ -1,7 +1,7 @@
-"""Score a trained checkpoint on fresh games, and optionally watch its first game as an MP4.
+"""Score trained checkpoints on fresh games, and optionally watch a first game as an MP4.
 
-    python benchmarks/evaluate.py RUN_DIR_OR_CHECKPOINT [--episodes 10] [--epsilon E] [--greedy]
-                                  [--video PATH.mp4] [--seed S] [--envs N] [--no-cuda]
+    python benchmarks/evaluate.py RUN_DIR_OR_CHECKPOINT [...] [--episodes 10] [--epsilon E]
+                                  [--greedy] [--video PATH.mp4] [--seed S] [--envs N] [--no-cuda]
 
 More: docs/benchmarks.md, `benchmarks/evaluate.py`.
 """
@@ -36,8 +36,10 @@ SEED_TAG = 2 * 10**6  # training's evaluations use 10^6 (common/evaluation.py)
 
 @dataclass
 class Args:
-    path: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR_OR_CHECKPOINT")]
-    """a run directory (its newest good checkpoint) or a checkpoint file (step_<N>.pt)"""
+    paths: Annotated[tuple[str, ...], tyro.conf.Positional,
+                     tyro.conf.arg(metavar="RUN_DIR_OR_CHECKPOINT")]
+    """run directories (each its newest good checkpoint) or checkpoint files (step_<N>.pt); with
+    several, each is evaluated in turn and gets one line"""
     episodes: int = 10
     """whole games to play, cut ones included"""
     epsilon: float | None = None
@@ -45,7 +47,7 @@ class Args:
     greedy: bool = False
     """policy-gradient scripts: the most likely action instead of a sample; DQN family: epsilon 0"""
     video: str | None = None
-    """record the first game's RGB screen to this new .mp4 file (Atari games only)"""
+    """record the first game's RGB screen to this new .mp4 file (Atari games only; one run)"""
     seed: int | None = None
     """seed of the games and of the action sampling; default the run's --seed"""
     envs: int | None = None
@@ -79,6 +81,8 @@ def check_flags(args: Args) -> None:
     if problem := out_of_range(args):
         raise UserError(problem)
     if args.video is not None:
+        if len(args.paths) > 1:
+            raise UserError(f"--video records one run's game; {len(args.paths)} runs given")
         video = Path(args.video)
         if video.suffix.lower() != ".mp4":
             raise UserError(f"--video writes an MP4: the name must end in .mp4, got {video}")
@@ -88,10 +92,10 @@ def check_flags(args: Args) -> None:
             raise UserError(f"--video: no such folder {video.parent}")
 
 
-def evaluate(args: Args) -> dict:
-    check_flags(args)
+def evaluate(args: Args, path: str, brief: bool = False) -> dict:
+    """Play `path`'s checkpoint; print its table (`brief`: one line) and write its eval.json."""
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    agent = load(args.path, device)  # the same call a user's own script makes
+    agent = load(path, device)  # the same call a user's own script makes
     ckpt, script, kind, run = agent.checkpoint, agent.script, agent.kind, agent.args
     if kind == "pg" and args.epsilon is not None:
         raise UserError(f"--epsilon is the DQN family's; {script} samples from its policy "
@@ -132,11 +136,12 @@ def evaluate(args: Args) -> dict:
     mean = statistics.fmean(returns)
     hns = atari_scores.human_normalised(run.env_id, mean) if game else None
     policy_name = ("greedy" if args.greedy else "sampled") if kind == "pg" else "epsilon-greedy"
-    print(f"{ckpt} ({script}, step {agent.global_step:,}) on {run.env_id}: "
-          f"{len(returns)} game{'s' * (len(returns) != 1)}, {policy_name}"
-          + (f" (epsilon {epsilon:g})" if epsilon is not None else "")
-          + f", cap {run.eval_max_steps:,} steps, {wall:.1f} s on {device}")
-    print(table(returns, lengths, hns))
+    if not brief:
+        print(f"{ckpt} ({script}, step {agent.global_step:,}) on {run.env_id}: "
+              f"{len(returns)} game{'s' * (len(returns) != 1)}, {policy_name}"
+              + (f" (epsilon {epsilon:g})" if epsilon is not None else "")
+              + f", cap {run.eval_max_steps:,} steps, {wall:.1f} s on {device}")
+        print(table(returns, lengths, hns))
     result = {
         "checkpoint": str(ckpt), "script": script, "env_id": run.env_id,
         "global_step": agent.global_step, "episodes": len(returns),
@@ -158,19 +163,26 @@ def evaluate(args: Args) -> dict:
                   "the recording environment fell out of step", file=sys.stderr)
         print(f"video: {args.video} ({recorder.frames} frames, {recorder.frames / FPS:.1f} s)")
     try:
-        path, f = next_free(ckpt.parent)
+        out, f = next_free(ckpt.parent)
         with f:
             json.dump(result, f, indent=2)
     except OSError as e:
         raise UserError(f"cannot write the results beside {ckpt}: {e}") from None
-    print(f"wrote {path}")
+    if brief:
+        print(f"{ckpt} ({script}, step {agent.global_step:,}, {run.env_id}): mean "
+              f"{mean:.2f} +- {np.std(returns):.2f} over {len(returns)} games, {policy_name}"
+              + ("" if hns is None else f", human-normalised {hns:.3f}") + f"; wrote {out}")
+    else:
+        print(f"wrote {out}")
     return result
 
 
 def main() -> None:
     args = tyro.cli(Args)
     try:
-        evaluate(args)
+        check_flags(args)
+        for path in args.paths:
+            evaluate(args, path, brief=len(args.paths) > 1)
     except (UserError, CheckpointError) as e:
         fail(str(e))
 

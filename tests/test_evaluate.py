@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,23 @@ def test_every_script_evaluates_and_never_overwrites(script, runs, capsys, monke
     assert second_path != first_path and os.path.basename(second_path).startswith("eval-")
     assert open(first_path).read() == before  # the first results are left as they were
     assert second["returns"] == first["returns"]  # same seed, same games
+
+
+def test_several_runs_are_evaluated_one_line_each(runs, capsys, monkeypatch):
+    """The README's `evaluate.py runs/common.catch_Catch-v0__ppo_multigpu__1__*` once a second
+    run matches: each run is played and written, one line each."""
+    names = ["ppo_multigpu", "dqn_multigpu"]
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", *(str(runs[n]) for n in names),
+                                      "--episodes", "2", "--no-cuda"])
+    evaluate.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    for name, line in zip(names, lines):
+        assert line.startswith(str(runs[name] / "checkpoints")) and f"({name}, step " in line
+        written = Path(line.split("; wrote ")[1])
+        result = json.loads(written.read_text())
+        assert written.parent == runs[name] / "checkpoints" and result["episodes"] == 2
+        assert f"mean {result['mean_return']:.2f} +- " in line
 
 
 def test_video_of_the_first_game(runs, tmp_path):
@@ -195,13 +213,16 @@ def test_plot_of_ordinary_runs_names_a_run_without_games(runs, tmp_path, capsys,
 
 
 @pytest.mark.parametrize("script", ["ppo_multigpu", "dqn_multigpu"])
-def test_the_loading_example_of_the_docs_runs(script, runs):
-    """docs/evaluate.md's example, as written but for the run it loads, plays 8 games."""
+def test_the_loading_example_of_the_docs_runs(script, runs, tmp_path):
+    """docs/evaluate.md's example, as written but for the checkout and the run it names, plays
+    8 games from a folder outside the checkout (a user's own script)."""
     page = (ROOT / "docs" / "evaluate.md").read_text()
     code = page.split("## A trained agent in your own code")[1].split("```python\n")[1]
     code = code.split("```")[0].replace("runs/Pong-v5__ppo_multigpu__1__1765000000",
                                         str(runs[script]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+    assert "/path/to/accelrl" in code
+    code = code.replace("/path/to/accelrl", str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **CHILD_ENV})
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, last = proc.stdout.strip().splitlines()
