@@ -6,6 +6,7 @@ behind.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
     `presets`: the values each `--preset` name stands for (the DQN family's configurations);
     `ranges`: the script's own allowed values where they differ from common.flag_ranges's."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if problem := unknown_flag(cls, argv):
+        dist.fail(problem)
     if presets:
         argv = _with_preset(cls, argv, presets)
     args = tyro.cli(cls, args=argv)
@@ -81,6 +84,25 @@ def parse_args(cls, argv: list[str] | None = None, presets: dict[str, dict] | No
                   if game is None else "--capture-video records evaluation games: give "
                   "--eval-episodes > 0")
     return args, world
+
+
+def unknown_flag(cls, argv: list[str]) -> str | None:
+    """The first flag of argv that `cls` does not have, with the flags it may stand for: those
+    whose words' initials it is (--lr: --learning-rate) or that it begins, else the closest."""
+    names = [f.replace("_", "-") for f in cls.__dataclass_fields__]
+    known = {"help", *names, *(f"no-{n}" for n in names)}
+    for arg in argv:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        flag = arg[2:].split("=", 1)[0]
+        if flag in known:
+            continue
+        guess = [n for n in names if "".join(w[0] for w in n.split("-")) == flag
+                 or n.startswith(flag)] or difflib.get_close_matches(flag, names, n=3, cutoff=0.6)
+        return f"unknown flag --{flag}" + (
+            f"; did you mean {' or '.join('--' + g for g in guess)}?" if guess else
+            "; --help lists the flags")
+    return None
 
 
 def _with_preset(cls, argv: list[str], presets: dict[str, dict]) -> list[str]:

@@ -149,13 +149,16 @@ def adam(params, **kwargs) -> torch.optim.Adam:
     return torch.optim.Adam(params, fused=params[0].device.type in ("cpu", "cuda"), **kwargs)
 
 
-def switches() -> dict:
-    """The performance switches in force, for summary.json."""
+def switches(device: torch.device | None = None) -> dict:
+    """The performance switches in force, for summary.json; those of cuDNN and TF32 only for a
+    run on a GPU (None on a CPU, where torch's defaults, such as cuDNN's TF32 on, apply to
+    nothing)."""
+    on_gpu = device is None or device.type == "cuda"
     return {"deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic if on_gpu else None,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark if on_gpu else None,
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if on_gpu else None,
+            "tf32_cudnn": torch.backends.cudnn.allow_tf32 if on_gpu else None,
             "distribution_validation": torch.distributions.Distribution._validate_args,
             "compile": _compile, "compile_seconds": compile_seconds(),
             "backend": dist.get_backend() if dist.is_available() and dist.is_initialized()

@@ -74,6 +74,7 @@ class Logger:
         self.phase_total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.tty = sys.stdout.isatty()
         self.writer = self.tracked = None
+        self.end = args.total_timesteps  # where the run stops: whole iterations (_plan)
         if world.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -91,7 +92,7 @@ class Logger:
         print(f"run directory: {self.run_dir}", flush=True)
         if global_batch > 0 and left > 0:
             iters = -(-left // global_batch)
-            end = self.start_step + iters * global_batch
+            end = self.end = self.start_step + iters * global_batch  # the progress line's total
             note = "" if end == total else (f" (--total-timesteps {total:,} rounded up to whole "
                                              f"iterations)")
             print(f"training to step {end:,}: {iters:,} iterations of {global_batch:,} steps "
@@ -140,7 +141,7 @@ class Logger:
         return result
 
     def _progress(self, step: int, sps: float, status: str = "", warmup_until: int = 0) -> None:
-        total = self.args.total_timesteps
+        total = self.end
         recent = f"{sum(self.returns) / len(self.returns):8.2f}" if self.returns else "     n/a"
         left = max(0.0, (total - step) / sps) if sps > 0 else 0.0  # the last batch may overshoot
         eta = ("after warm-up" if step < warmup_until else
@@ -168,7 +169,7 @@ class Logger:
             "device": str(self.world.device),
             "gpu": self.world.device.type == "cuda",
             "phase_seconds": self.phase_total,
-            "switches": gpu.switches(),  # the GPU habits and --compile in force
+            "switches": gpu.switches(self.world.device),  # the GPU habits, --compile
             "gpu_memory_bytes": torch.cuda.max_memory_allocated(self.world.device)
             if self.world.device.type == "cuda" else None,
             "eval_return": ev.get("mean_return"),

@@ -48,7 +48,7 @@ class RunArgs:
     wandb_project_name: str = "accelrl"
     """the Weights & Biases project of --track"""
     wandb_entity: str | None = None
-    """the Weights & Biases team or user of --track (default: wandb's own)"""
+    """the Weights & Biases team or user of --track; None: wandb's default entity"""
     capture_video: bool = False
     """record the first game of evaluations 0, 1, 8, 27, ... (Gymnasium's RecordVideo schedule,
     then every 1,000th) and of the final one into <run_dir>/videos/ (rank 0, Atari games)"""

@@ -30,10 +30,29 @@ def test_two_runs_give_the_same_parameters(script, tmp_path):
     eval_a, eval_b = (read_summary(tmp_path / n)["eval_returns"] for n in ("a", "b"))
     assert len(eval_a) == 2 and eval_a == eval_b
     switches = read_summary(tmp_path / "a")["switches"]
-    assert switches["deterministic"] and switches["cudnn_deterministic"]
-    assert not (switches["cudnn_benchmark"] or switches["tf32_matmul"] or switches["tf32_cudnn"])
+    assert switches["deterministic"]
+    gpu_only = ("cudnn_deterministic", "cudnn_benchmark", "tf32_matmul", "tf32_cudnn")
+    assert all(switches[k] is None for k in gpu_only)  # a CPU run: nothing to report
 
 
 def test_off_by_default(tmp_path):
     run_script("ppo_multigpu", *TINY[:-1], "--num-steps", "32", "--run-dir", str(tmp_path / "r"))
-    assert read_summary(tmp_path / "r")["switches"]["deterministic"] is False
+    switches = read_summary(tmp_path / "r")["switches"]
+    assert switches["deterministic"] is False and switches["tf32_cudnn"] is None  # on a CPU
+
+
+def test_gpu_switches_are_reported_for_a_gpu_run():
+    """The deterministic switches as a GPU run records them (set here, read for a CUDA device)."""
+    from common import gpu
+    before = gpu.switches(torch.device("cuda", 0))
+    try:
+        gpu.deterministic()
+        s = gpu.switches(torch.device("cuda", 0))
+        assert s["deterministic"] and s["cudnn_deterministic"]
+        assert not (s["cudnn_benchmark"] or s["tf32_matmul"] or s["tf32_cudnn"])
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = before["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = before["cudnn_benchmark"]
+        torch.backends.cuda.matmul.allow_tf32 = before["tf32_matmul"]
+        torch.backends.cudnn.allow_tf32 = before["tf32_cudnn"]

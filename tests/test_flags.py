@@ -77,3 +77,19 @@ def test_the_flags_every_script_needs_are_in_every_script():
               "eval_episodes", "eval_envs", "eval_max_steps", "backend", "compile"}
     for script, flags in FLAGS.items():
         assert shared <= flags.keys(), (script, shared - flags.keys())
+
+
+def test_an_unknown_flag_names_the_flags_it_may_stand_for():
+    """One line naming the flag and what it may abbreviate (tyro's own guess for --lr was
+    --anneal-lr); flags as tyro takes them (--no-x, --x=v) are known."""
+    from common import cli
+    from tests.conftest import load_algo
+    Args = load_algo("ppo_multigpu").Args
+    assert cli.unknown_flag(Args, ["--lr", "1e-3"]) == \
+        "unknown flag --lr; did you mean --learning-rate?"
+    assert cli.unknown_flag(Args, ["--ent", "0.1"]) == \
+        "unknown flag --ent; did you mean --ent-coef?"
+    assert "did you mean --num-envs" in cli.unknown_flag(Args, ["--num-env", "4"])
+    assert cli.unknown_flag(Args, ["--zzz"]) == "unknown flag --zzz; --help lists the flags"
+    assert cli.unknown_flag(Args, ["--no-cuda", "--total-timesteps=5", "--num-envs", "4",
+                                   "--help"]) is None

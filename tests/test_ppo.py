@@ -193,6 +193,8 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
         tmp_path, "--env-id", "CartPole-v1", "--run-dir", run)
     assert "--num-envs must be even" in _bad(tmp_path, "--alternate", "--num-envs", "3",
                                              "--num-minibatches", "1", "--run-dir", run)
+    assert _bad(tmp_path, "--lr", "1e-3", "--run-dir", run) == \
+        "error: unknown flag --lr; did you mean --learning-rate?"
     assert not (tmp_path / "new").exists()  # no run directory is made for a failed start
 
     existing = tmp_path / "existing"
