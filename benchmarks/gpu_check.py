@@ -66,6 +66,7 @@ class Sizes:
     cat_batch: int  # C51's batch
     repeats: int  # projection calls, and DQN sample batches, timed
     ppo_flags: tuple[str, ...]  # PPO's learner settings
+    modes_epochs: int  # PPO's epochs per call in the modes step (a minibatch step is timed)
     a2c_flags: tuple[str, ...]
     q_flags: tuple[str, ...]  # both DQN scripts' end-to-end flags
     small: tuple[int, int, int]  # envs, steps, total of the torchrun steps (resume: 2x total)
@@ -85,6 +86,7 @@ def sizes(quick: bool) -> Sizes:
                      envs=envs, num_steps=16, appo_steps=8, seconds=0.5, e2e_seconds=0.5,
                      replay=10_000, batch=64, cat_batch=64, repeats=2,
                      ppo_flags=("--update-epochs", "1", "--num-minibatches", "1"),
+                     modes_epochs=1,  # a CPU without bf16 units emulates it: 10x fp32's step
                      a2c_flags=("--num-steps", str(max(5, 2048 // envs))),  # one update a line
                      q_flags=("--num-envs", "16", "--num-steps", "16", "--replay-ratio", "0.25",
                               "--learning-starts", "1024", "--replay-size", "10000"),
@@ -92,6 +94,7 @@ def sizes(quick: bool) -> Sizes:
     return Sizes(sprint=("--minutes", "3", "--eval-episodes", "4"),
                  envs=envs, num_steps=128, appo_steps=128, seconds=2.0, e2e_seconds=3.0,
                  replay=1_000_000, batch=512, cat_batch=2048, repeats=20, ppo_flags=(),
+                 modes_epochs=4,
                  a2c_flags=(), q_flags=("--num-envs", "16", "--learning-starts", "2048",
                                         "--replay-size", "200000"), small=(8, 32, 1024))
 
@@ -329,7 +332,7 @@ def step_appo(c) -> list[dict]:
 def step_modes(c) -> list[dict]:
     from benchmarks.throughput_parts import modes as modes_part
 
-    a = modes_part.Args(algos=("ppo",), e2e=False)
+    a = modes_part.Args(algos=("ppo",), e2e=False, update_epochs=c.s.modes_epochs)
     res = run_parts(c, "modes", modes=a)["ppo"]
     for mode, r in res["learner"].items():  # the compiled learner's statistics drove the rate
         lr = r["learning_rate"]

@@ -51,6 +51,9 @@ class Args:
     """seconds each end-to-end run trains after its first progress line"""
     e2e: bool = True
     """run every script end to end in its default and its best mode (--modes.no-e2e skips)"""
+    update_epochs: int = 4
+    """epochs of each PPO and APPO learner call (their default 4); the minibatch step measured
+    is the same with fewer (the GPU check's quick run: 1)"""
 
 
 def check(a) -> str | None:
@@ -61,7 +64,7 @@ def check(a) -> str | None:
     return None
 
 
-def learner(name: str, mode: dict, device: torch.device, seed: int):
+def learner(name: str, mode: dict, device: torch.device, seed: int, epochs: int = 4):
     """(one update of `name`'s learner in `mode`, optimizer steps it takes, a cleanup, its
     step). PPO adapts its rate to the KL as the sprint's recipe does: its per-epoch KL check is
     timed, and the rate's change shows the compiled loss's statistics reached the schedule."""
@@ -69,7 +72,8 @@ def learner(name: str, mode: dict, device: torch.device, seed: int):
     torch.manual_seed(seed)
     if name in ("ppo", "a2c", "appo"):
         args = dataclasses.replace(algo.Args(), **mode,
-                                   **({"kl_threshold": 0.01} if name == "ppo" else {}))
+                                   **({"kl_threshold": 0.01} if name == "ppo" else {}),
+                                   **({"update_epochs": epochs} if name != "a2c" else {}))
         agent = algo.Agent(6, args.precision, args.channels_last).to(device)
         if name == "a2c":
             T, B = args.num_steps, args.num_envs
@@ -111,7 +115,8 @@ def learner(name: str, mode: dict, device: torch.device, seed: int):
 
 
 def bench_learner(name: str, mode_name: str, a, device: torch.device) -> dict:
-    update, steps, cleanup, step = learner(name, MODES[mode_name], device, a.seed)
+    update, steps, cleanup, step = learner(name, MODES[mode_name], device, a.seed,
+                                           a.update_epochs)
     compiled_before, first_lr = gpu.compile_seconds(), step.lr
     for _ in range(2):  # compilation, then one more warm call
         stats = update()[0]
