@@ -195,37 +195,39 @@ A3C = ("--asynchronous", "--env-id", "tests.catch_env:Catch-v0")
 @pytest.mark.slow
 def test_a3c_learns_catch_on_two_ranks_and_resumes(tmp_path):
     """A3C: two ranks, each on its own 16 environments, push their own gradients into the central
-    RMSProp, with A2C's test's flags, 48,000 steps: 300 updates per rank, 600 central ones. Not
-    repeatable (the chunks take the ranks' gradients in the order timing gives). At 32,000 steps
-    seven runs on an AMD EPYC VM gave final evaluations of 0.50 to 1.00 over 16 games, and one in
-    the whole suite on an Intel Xeon VM 0.25 (under the other worker's load); at 48,000 steps, on
-    the Intel VM alone, seed 1 twice and seeds 2 and 3 gave 0.88, 1.00, 0.62, 1.00 and 0.62 to
-    0.88 over training's last 100 games, against a random policy's -0.7 (both), in 32 to 34 s."""
+    RMSProp, with A2C's test's flags, 64,000 steps: 400 updates per rank, 800 central ones. Not
+    repeatable (the chunks take the ranks' gradients in the order timing gives), so the bar is
+    the last 100 games' mean, with the 16-game final evaluation only above 0. At 48,000 steps the
+    final evaluation fell to 0.25 in the whole suite (on an Intel Xeon VM at 32,000, and in CI),
+    and five runs alone on an AMD EPYC VM gave 0.46 to 1.00 over the last 100 games. At 64,000
+    steps on the AMD VM: seeds 1, 2, 3 alone 1.00, 0.86, 1.00 (evaluations 1.00, 0.75, 1.00),
+    66 to 75 s; two runs at a time (seeds 1, 2, 3, 1) 0.98, 0.78, 1.00, 0.98 (evaluations 0.88
+    to 1.00); a random policy: -0.7."""
     shm_before, run = _shm(), tmp_path / "run"
-    run_script("a2c_multigpu", *A3C, "--seed", "1", "--total-timesteps", "48000",
+    run_script("a2c_multigpu", *A3C, "--seed", "1", "--total-timesteps", "64000",
                "--learning-rate", "7e-3", "--run-dir", str(run), nproc=2, timeout=900)
     s = read_summary(run)
-    assert s["world_size"] == 2 and s["global_step"] == s["central_step"] == 48000
-    assert s["eval_return"] > 0.3 and s["eval_episodes"] == 16 and s["episodes"] > 7500
-    assert s["mean_return_last100"] > 0.0  # catches most balls; a random policy: 1 in 5
-    ckpt = torch.load(run / "checkpoints" / "step_48000.pt", weights_only=True)
-    # every chunk took every update of both ranks: 2 x 48000 / 2 / 80
+    assert s["world_size"] == 2 and s["global_step"] == s["central_step"] == 64000
+    assert s["mean_return_last100"] > 0.4 and s["episodes"] > 10000
+    assert s["eval_return"] > 0.0 and s["eval_episodes"] == 16
+    ckpt = torch.load(run / "checkpoints" / "step_64000.pt", weights_only=True)
+    # every chunk took every update of both ranks: 2 x 64000 / 2 / 80
     assert set(ckpt["optimizer"]) == {"square_avg", "step"} and ckpt["asynchronous"]
-    assert ckpt["optimizer"]["step"].tolist() == [600] * 3
+    assert ckpt["optimizer"]["step"].tolist() == [800] * 3
     assert not _shm_left(shm_before)  # the central state's files are unlinked
 
     # resume: the central statistics, their step counts and the global step continue
-    run_script("a2c_multigpu", "--resume", str(run), "--total-timesteps", "52000",
+    run_script("a2c_multigpu", "--resume", str(run), "--total-timesteps", "68000",
                "--eval-episodes", "0", nproc=2)
     s = read_summary(run)
-    assert s["global_step"] == s["central_step"] == 52000 and s["args"]["asynchronous"]
-    ckpt = torch.load(run / "checkpoints" / "step_52000.pt", weights_only=True)
-    assert ckpt["optimizer"]["step"].tolist() == [650] * 3
+    assert s["global_step"] == s["central_step"] == 68000 and s["args"]["asynchronous"]
+    ckpt = torch.load(run / "checkpoints" / "step_68000.pt", weights_only=True)
+    assert ckpt["optimizer"]["step"].tolist() == [850] * 3
     saved = (run / "args.json").read_text()
     assert "trained with --asynchronous" in _bad("--resume", str(run), "--no-asynchronous",
-                                                 "--total-timesteps", "60000")
+                                                 "--total-timesteps", "72000")
     assert "holds another rule's central statistics" in _bad(
-        "--resume", str(run), "--optimizer", "adam", "--total-timesteps", "60000")
+        "--resume", str(run), "--optimizer", "adam", "--total-timesteps", "72000")
     assert (run / "args.json").read_text() == saved  # a refused resume changes nothing
     assert not _shm_left(shm_before)
 

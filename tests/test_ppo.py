@@ -119,15 +119,16 @@ def test_sigterm_under_torchrun_stops_every_rank_cleanly(tmp_path):
 def test_ppo_learns_catch(tmp_path):
     """A random policy scores about -0.7 on Catch; a correct PPO catches nearly every ball.
 
-    32 updates of 8 x 32 steps (8,192 steps, 1,360 games), a 4x learning rate and clip 0.2: half
-    the 16,384 steps that clip 0.1 needs (8,192 steps with clip 0.1 gave only 0.84 on seed 1).
-    Seeds 1-3 gave 0.98, 0.94, 0.96 here, each 50-58 s of CPU (95-145 s on 2 loaded cores)."""
+    64 updates of 8 x 32 steps (16,384 steps, 2,728 games), a 4x learning rate and clip 0.2. At
+    8,192 steps seeds 1-3 gave 0.98, 0.94, 0.96 on a 2-core Intel Xeon VM but 0.72, 0.98, 0.96
+    on an AMD EPYC VM (the same seed, other float rounding): too near the threshold. At 16,384
+    steps the AMD VM gave 1.00, 0.98, 1.00, each 87-95 s alone."""
     run = tmp_path / "run"
     run_script("ppo_multigpu", "--env-id", "tests.catch_env:Catch-v0", "--seed", "1",
-               "--total-timesteps", "8192", "--num-steps", "32", "--learning-rate", "1e-3",
+               "--total-timesteps", "16384", "--num-steps", "32", "--learning-rate", "1e-3",
                "--clip-coef", "0.2", "--run-dir", str(run), timeout=900)
     s = read_summary(run)
-    assert s["episodes"] > 1300
+    assert s["episodes"] > 2700
     assert s["mean_return_last100"] > 0.8
 
 

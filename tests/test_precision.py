@@ -159,9 +159,14 @@ LEARNING = {
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(LEARNING))
 def test_learns_catch_in_bf16(script, tmp_path):
+    """On a CPU without bf16 units (no AVX-512 BF16 or AMX; an AMD EPYC VM with AVX2 only)
+    oneDNN emulates bf16 convolutions at about 10x fp32's cost: there C51 (about 1,800 updates
+    of 32) had done 12,288 of its 15,000 environment steps after 900 s under the suite's load,
+    hence its longer limit (a limit only bounds a hang)."""
     flags, threshold = LEARNING[script]
     run = tmp_path / "run"
     run_script(script, "--env-id", "tests.catch_env:Catch-v0", "--seed", "1", *flags,
-               "--precision", "bf16", "--run-dir", str(run), timeout=900)
+               "--precision", "bf16", "--run-dir", str(run),
+               timeout=2400 if script == "cat_dqn" else 900)
     s = read_summary(run)
     assert s["args"]["precision"] == "bf16" and s["mean_return_last100"] > threshold
