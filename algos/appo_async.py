@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP; docs/results.md
 import numpy as np
@@ -35,6 +36,7 @@ from common.async_sampler import AsyncSampler, SamplerDied
 from common.gpu import Upload
 from common.advantages import gae  # GAE, eq. 16 of Schulman et al. 2016
 from common.run import Run, RunArgs
+from common.running_norm import RunningNorm
 
 
 @dataclass
@@ -75,6 +77,20 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     """this rank's gradient-norm clip before its central Adam step (baselines' ppo2)"""
     target_kl: float | None = None
     """stop this rank's epochs on a rollout early when its approximate KL exceeds this"""
+    kl_threshold: float | None = None
+    """adapt this rank's learning rate to keep each epoch's approximate KL (to the proximal
+    policy) near this (rl_games' lr_schedule adaptive; its Pong configs: 0.01; adaptive_lr);
+    replaces --anneal-lr; a resume goes on at the adapted rate"""
+    normalize_input: bool = False
+    """feed the network each input element normalised by its running mean and standard deviation,
+    clipped to +-5 (rl_games' normalize_input; common/running_norm.py); off: frames / 255 (PPO
+    paper)"""
+    normalize_value: bool = False
+    """learn the value in units of the returns' running standard deviation (rl_games'
+    normalize_value, without its +-5 clips and with statistics of the returns alone:
+    docs/results.md); the value loss, its clipping and --vf-coef apply in those units"""
+    activation: Literal["relu", "elu"] = "relu"
+    """the torso's nonlinearity (Nature DQN: relu; rl_games' Atari configs: elu)"""
     imp_samp_max: float = 100.0
     """cap on the importance ratio of the learner's policy to the behaviour policy, pi / mu, that
     weights each sample (openai/ppo-ewma's flag and default: only extreme ratios of very stale
@@ -102,24 +118,47 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 class Agent(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
-    and --channels-last."""
+    and --channels-last. With --normalize-input / --normalize-value it holds the running
+    statistics (buffers: checkpoints carry them, and the sampler gets them with the parameters)
+    and returns the value in the returns' units."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto",
+                 activation: str = "relu", normalize_input: bool = False,
+                 normalize_value: bool = False):
         super().__init__()
         self.precision, self.channels_last = precision, channels_last
+        act = {"relu": nn.ReLU, "elu": nn.ELU}[activation]
         self.torso = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)), act(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), act(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), act(), nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)), act())
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+        self.obs_norm = RunningNorm(envs.OBS_SHAPE) if normalize_input else None
+        self.value_norm = RunningNorm(()) if normalize_value else None
 
     @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
-        h = self.torso(obs.float() / 255.0)
-        return gpu.float32(self.actor, h), gpu.float32(self.critic, h).squeeze(-1)
+        x = obs.float() / 255.0
+        h = self.torso(self.obs_norm(x) if self.obs_norm is not None else x)
+        value = gpu.float32(self.critic, h).squeeze(-1)
+        if self.value_norm is not None:
+            value = self.value_norm.denormalize(value)
+        return gpu.float32(self.actor, h), value
+
+    def value_scale(self) -> torch.Tensor | float:
+        """The unit the value is learned in: the returns' running standard deviation, or 1."""
+        return self.value_norm.std() if self.value_norm is not None else 1.0
+
+    def update_norms(self, obs: torch.Tensor, returns: torch.Tensor) -> None:
+        """Fold a batch (obs uint8 [N, 4, 84, 84], returns [N]) into the running statistics,
+        averaged over ranks (every rank calls this once per rollout, with the same N)."""
+        if self.obs_norm is not None:
+            self.obs_norm.update(obs, scale=1 / 255.0)
+        if self.value_norm is not None:
+            self.value_norm.update(returns)
 
 
 def act(agent: Agent, obs: torch.Tensor, cols: slice | None = None):
@@ -134,6 +173,16 @@ def act(agent: Agent, obs: torch.Tensor, cols: slice | None = None):
 def value(agent: Agent, obs: torch.Tensor) -> torch.Tensor:
     """obs uint8 [n, 4, 84, 84] -> the behaviour policy's values [n] (bootstrapping)."""
     return agent(obs)[1]
+
+
+def adaptive_lr(lr: float, kl: float, threshold: float) -> float:
+    """rl_games' adaptive schedule: the learning rate / 1.5 after an epoch whose KL exceeds twice
+    the threshold, x 1.5 after one under half of it, kept within [1e-6, 1e-2]."""
+    if kl > 2 * threshold:
+        return max(lr / 1.5, 1e-6)
+    if kl < threshold / 2:
+        return min(lr * 1.5, 1e-2)
+    return lr
 
 
 @torch.no_grad()
@@ -164,13 +213,14 @@ def decoupled_pg_loss(logprob: torch.Tensor, behav_logprob: torch.Tensor,
 def appo_loss(agent: Agent, mb: dict[str, torch.Tensor], args: Args
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO's loss of one minibatch -> (loss, statistics); the value clip is around
-    the proximal values."""
+    the proximal values (with --normalize-value, all in the returns' standard deviations)."""
     logits, value = agent(mb["obs"])
     pi = Categorical(logits=logits)
     new_logprob, behav_logprob = pi.log_prob(mb["actions"]), mb["logprob"]
     pg_loss, ratio = decoupled_pg_loss(new_logprob, behav_logprob, mb["prox_logprob"],
                                        mb["advantages"], args.clip_coef, args.imp_samp_max)
-    ret, old_v = mb["returns"], mb["prox_value"]
+    s = agent.value_scale()
+    value, ret, old_v = value / s, mb["returns"] / s, mb["prox_value"] / s
     if args.clip_vloss:
         v_clipped = old_v + (value - old_v).clamp(-args.clip_coef, args.clip_coef)
         v_loss = 0.5 * torch.max((value - ret) ** 2, (v_clipped - ret) ** 2).mean()
@@ -216,8 +266,12 @@ def appo_update(agent: Agent, step: grad_step.CentralStep, batch: dict[str, torc
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v  # device tensors: no host sync per minibatch
             updates += 1
-        if args.target_kl is not None and (
-                epoch_kl / args.num_minibatches).item() > args.target_kl:
+        if args.target_kl is None and args.kl_threshold is None:
+            continue
+        kl = (epoch_kl / args.num_minibatches).item()  # this rank's: ranks never wait here
+        if args.kl_threshold is not None:
+            step.lr = adaptive_lr(step.lr, kl, args.kl_threshold)
+        if args.target_kl is not None and kl > args.target_kl:
             break
     return {k: float(v) / updates for k, v in sums.items()}, waited
 
@@ -237,20 +291,24 @@ def main() -> None:
     # ---- set-up: model, central optimizer, sampler process ----
     num_actions, eval_env = evaluation.probe(args)
     torch.manual_seed(args.seed)  # same initial parameters on every rank
-    agent = Agent(num_actions, args.precision, args.channels_last).to(device)
+    network = partial(Agent, num_actions, args.precision, args.channels_last, args.activation,
+                      args.normalize_input, args.normalize_value)
+    agent = network().to(device)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank minibatches
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = run.restore(model=agent)
     step = central_optim.make_step(agent, None, run, asynchronous=True, eps=1e-5,
                                    max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks)
+    step.lr = args.learning_rate
+    if args.kl_threshold is not None and run.state:  # a resume goes on at the adapted rate
+        step.lr = run.state.get("learning_rate", args.learning_rate)
     global_batch = batch_per_rank * world.world_size
     seeds = np.random.SeedSequence([args.seed, world.rank, global_step]).generate_state(1)
     env_kwargs = dict(env_id=args.env_id, num_envs=args.num_envs,
                       groups=2 if args.alternate else 1, episodic_life=args.episodic_life,
                       sticky_actions=args.sticky_actions, fire_reset=args.fire_reset,
                       num_threads=len(cores))
-    sampler = AsyncSampler(partial(Agent, num_actions, args.precision, args.channels_last), act,
-                           value, env_kwargs, args.num_steps,
+    sampler = AsyncSampler(network, act, value, env_kwargs, args.num_steps,
                            envs.env_seeds(args.seed, world.rank, args.num_envs, offset=global_step),
                            agent, device, extras=("logprob", "value"),
                            clip_rewards=args.clip_rewards, num_buffers=args.num_buffers,
@@ -262,12 +320,13 @@ def main() -> None:
     run.begin(global_step, global_batch, eval_env=eval_env,
               policy=lambda obs: act(agent, obs)[0],  # evaluation
               checkpoint=lambda: {"model": agent.state_dict(), "optimizer": step.state_dict(),
-                                  "lag": list(lag)})
+                                  "lag": list(lag), "learning_rate": step.lr})
 
     try:
         while global_step < args.total_timesteps:
-            step.lr = args.learning_rate * (max(0.0, 1.0 - global_step / args.total_timesteps)
-                                            if args.anneal_lr else 1.0)
+            if args.kl_threshold is None:  # on the global step, so that a resume goes on exactly
+                step.lr = args.learning_rate * (
+                    max(0.0, 1.0 - global_step / args.total_timesteps) if args.anneal_lr else 1.0)
 
             # ---- sampling runs in the sampler process: take the next rollout fresh enough ----
             episodes, my_dropped = [], 0
@@ -296,6 +355,9 @@ def main() -> None:
                          "logprob": rollout["logprob"].flatten(),
                          "value": rollout["value"].flatten(), "advantages": advantages.flatten(),
                          "returns": (advantages + rollout["value"]).flatten()}
+                # rl_games' order: the statistics take in the batch before the epochs learn from
+                # it; with them, ranks meet here too (the statistics are averaged over ranks)
+                agent.update_norms(batch["obs"], batch["returns"])
                 step.refresh()  # the proximal policy: other ranks' steps since our last included
                 batch["prox_logprob"], batch["prox_value"] = proximal(
                     agent, batch["obs"], batch["actions"], batch_per_rank // args.num_minibatches)

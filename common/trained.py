@@ -166,12 +166,12 @@ def run_args(module, ckpt: Path, state: dict):
 
 def build_network(module, kind: str, weights: dict, num_actions: int,
                   run=None) -> torch.nn.Module:
-    """The script's network for `weights`. Dueling heads, C51's atoms and PPO's running
-    normalisers are read from the weights themselves (they are what was trained, whatever a flag
-    says); PPO's activation from the run's flags."""
+    """The script's network for `weights`. Dueling heads, C51's atoms and PPO's and APPO's
+    running normalisers are read from the weights themselves (they are what was trained,
+    whatever a flag says); their activation from the run's flags."""
     dueling = any(k.startswith("value.") for k in weights)
     if kind == "pg":
-        if "activation" not in module.Args.__dataclass_fields__:  # PPO's options only
+        if "activation" not in module.Args.__dataclass_fields__:  # no normalisers or activation
             return module.Agent(num_actions)
         return module.Agent(num_actions, activation=getattr(run, "activation", "relu"),
                             normalize_input="obs_norm.mean" in weights,

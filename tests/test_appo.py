@@ -221,6 +221,65 @@ def test_gae_and_update_equal_ppo():
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threshold", [None, 10.0, 1e-9])
+def test_rl_games_options_give_ppos_update(threshold):
+    """PPO's sprint options in APPO (--normalize-input, --normalize-value, --activation elu,
+    --kl-threshold) mean what they mean in PPO: without lag, one rank, an APPO update from the
+    same network and statistics gives PPO's parameters and PPO's adapted learning rate (a huge
+    threshold: it grows each epoch; a tiny one: it falls)."""
+    ppo, appo = load_algo("ppo_multigpu"), load_algo("appo_async")
+    options = dict(activation="elu", normalize_input=True, normalize_value=True)
+    g = torch.Generator().manual_seed(0)
+    n = 32
+    batch = {"obs": torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+             "actions": torch.randint(0, 6, (n,), generator=g),
+             "logprob": -torch.rand(n, generator=g) * 2, "value": torch.randn(n, generator=g) * 5,
+             "advantages": torch.randn(n, generator=g) * 3 + 1,
+             "returns": torch.randn(n, generator=g) * 5 + 2}
+    batch.update(prox_logprob=batch["logprob"], prox_value=batch["value"])  # no lag
+    out, rates = [], []
+    for algo in (ppo, appo):
+        torch.manual_seed(123)
+        agent = algo.Agent(6, **options)
+        agent.update_norms(batch["obs"], batch["returns"])
+        args = algo.Args(update_epochs=3, num_minibatches=2, kl_threshold=threshold, **options)
+        if algo is ppo:
+            step = AllReduceStep(agent, torch.optim.Adam(agent.parameters(), lr=1e-4, eps=1e-5),
+                                 args.max_grad_norm)
+            ppo.ppo_update(agent, step, batch, args)
+        else:
+            central = CentralOptimizer(agent.parameters(), 1, eps=1e-5)
+            central.unlink()
+            step = CentralStep(agent, central, 1e-4, args.max_grad_norm)
+            appo.appo_update(agent, step, batch, args)
+        out.append(torch.nn.utils.parameters_to_vector(agent.parameters()).detach())
+        rates.append(step.lr)
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-6)
+    factor = {None: 1.0, 10.0: 1.5, 1e-9: 1 / 1.5}[threshold]
+    assert rates[0] == rates[1] == pytest.approx(1e-4 * factor ** 3)
+    for kl in (0.0, 0.003, 0.004, 0.01, 0.016, 0.02, 1.0):  # one rule: rl_games'
+        for lr in (1.2e-6, 3e-4, 8e-3):
+            assert appo.adaptive_lr(lr, kl, 0.008) == ppo.adaptive_lr(lr, kl, 0.008)
+
+
+def test_a_resume_goes_on_at_the_kl_adapted_rate(tmp_path):
+    """APPO's --kl-threshold adapts the current rate, and a resume goes on at it (as PPO's,
+    tests/test_ppo.py): a tiny threshold drives the rate towards its floor, 1e-6."""
+    from benchmarks.training import scalars
+    run = tmp_path / "run"
+    flags = ("--env-id", "tests.catch_env:Catch-v0", "--num-envs", "4", "--num-steps", "16",
+             "--learning-rate", "1e-4", "--kl-threshold", "1e-9", "--eval-interval", "0",
+             "--run-dir", str(run))
+    run_script("appo_async", *flags, "--total-timesteps", "512")  # 8 x 4 epochs: 1e-4 / 1.5^32
+    before = [v for _, step, v in scalars(run)[0]["charts/learning_rate"] if step <= 512]
+    assert before[-1] < 2e-6
+    ckpt = torch.load(run / "checkpoints" / "step_512.pt", weights_only=True)
+    assert ckpt["learning_rate"] == pytest.approx(before[-1])
+    run_script("appo_async", *flags, "--total-timesteps", "576", "--resume", str(run))
+    after = [v for _, step, v in scalars(run)[0]["charts/learning_rate"] if step > 512]
+    assert after and after[0] <= before[-1] * 1.5 ** 4 < 1e-5
+
+
 def _pg_batch(n=4000, lag=1.0, seed=0):
     """Log-probabilities of the learner (pi), the behaviour (mu) and the proximal policy, and
     advantages; lag scales how far mu sits from the proximal policy (0: no lag)."""
@@ -325,7 +384,8 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     run = tmp_path / "run"
     common = ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32",
               "--num-minibatches", "2", "--update-epochs", "1", "--eval-max-steps", "100",
-              "--run-dir", str(run)]
+              "--normalize-input", "--normalize-value", "--activation", "elu",
+              "--kl-threshold", "0.01", "--run-dir", str(run)]
     run_script("appo_async", *common, "--total-timesteps", "256", nproc=2)
     s = read_summary(run)
     assert s["eval_lengths"] == [100] * 16  # 8 games per rank, cut at 100 steps and counted
@@ -337,6 +397,8 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     # 2 iterations x 2 ranks x 1 epoch x 2 minibatches: every chunk took every central step
     assert ckpt["optimizer"]["step"].tolist() == [8, 8, 8] and len(ckpt["rng"]) == 2
     assert ckpt["lag"][2] == 4  # rollouts trained on, over both ranks
+    # the statistics took in both ranks' rollouts (the ranks meet for them once per rollout)
+    assert ckpt["model"]["obs_norm.count"] == ckpt["model"]["value_norm.count"] == 256
 
     # resume: the central Adam state, counters and flags continue; lag 0 forces fresh rollouts
     run_script("appo_async", "--resume", str(run), "--total-timesteps", "512",
@@ -345,6 +407,7 @@ def test_torchrun_two_ranks_end_to_end_and_resume(tmp_path):
     assert s["global_step"] == 512 and s["args"]["num_envs"] == 2  # flags came from the run
     ckpt = torch.load(run / "checkpoints" / "step_512.pt", weights_only=True)
     assert ckpt["optimizer"]["step"].tolist() == [16, 16, 16] and ckpt["lag"][2] == 8
+    assert ckpt["model"]["obs_norm.count"] == 512 and s["args"]["kl_threshold"] == 0.01
     assert s["dropped_rollouts"] == ckpt["lag"][3]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     lag_max = {}

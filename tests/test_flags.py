@@ -16,7 +16,7 @@ SCRIPTS = ("a2c_multigpu", "ppo_multigpu", "appo_async", "dqn_multigpu", "cat_dq
 ALGORITHM_OWN = {
     "total_timesteps", "num_envs", "num_steps", "learning_rate", "gamma", "max_grad_norm",
     "anneal_lr", "optimizer", "gae_lambda", "ent_coef", "vf_coef", "num_minibatches",
-    "update_epochs", "norm_adv", "clip_coef", "target_kl", "preset", "batch_size",
+    "update_epochs", "norm_adv", "clip_coef", "target_kl", "kl_threshold", "preset", "batch_size",
     "target_update_interval", "n_step", "double", "dueling", "prioritized", "adam_eps",
     "eps_schedule", "eps_end", "eps_decay_steps",
 }

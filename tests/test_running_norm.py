@@ -1,5 +1,6 @@
-"""common/running_norm.py and PPO's --normalize-input, --normalize-value and --activation:
-reference computations, the two-rank equivalence, and a checkpoint's policy rebuilt by evaluate."""
+"""common/running_norm.py and PPO's and APPO's --normalize-input, --normalize-value and
+--activation: reference computations, the two-rank equivalence, and a checkpoint's policy rebuilt
+by evaluate."""
 
 import numpy as np
 import pytest
@@ -82,8 +83,12 @@ def _fitted_agent(ppo, **options):
     return agent, obs
 
 
-def test_ppo_forward_normalises_the_input_and_returns_the_value_in_return_units():
-    ppo = load_algo("ppo_multigpu")
+PG = ("ppo_multigpu", "appo_async")  # the scripts with the normalisers
+
+
+@pytest.mark.parametrize("script", PG)
+def test_forward_normalises_the_input_and_returns_the_value_in_return_units(script):
+    ppo = load_algo(script)
     agent, obs = _fitted_agent(ppo, normalize_input=True, normalize_value=True)
     x = agent.obs_norm(obs.float() / 255.0)
     h = agent.torso(x)
@@ -118,19 +123,46 @@ def test_ppo_value_loss_in_units_of_the_returns_std():
     torch.testing.assert_close(stats["value_loss"], ref)
 
 
-def test_activation_elu():
-    ppo = load_algo("ppo_multigpu")
+def test_appo_value_loss_in_units_of_the_returns_std():
+    """APPO's --normalize-value: PPO's value loss in the returns' standard deviations, its clip
+    around the proximal values."""
+    appo = load_algo("appo_async")
+    agent, obs = _fitted_agent(appo, normalize_value=True)
+    g = torch.Generator().manual_seed(3)
+    logprob = -torch.rand(32, generator=g)
+    mb = {"obs": obs, "actions": torch.randint(0, 6, (32,), generator=g), "logprob": logprob,
+          "prox_logprob": logprob, "advantages": torch.randn(32, generator=g),
+          "returns": torch.randn(32, generator=g) * 4 + 3,
+          "prox_value": torch.randn(32, generator=g) * 4}
+    value = agent(obs)[1]
+    s = agent.value_norm.std()
+    _, stats = appo.appo_loss(agent, mb, appo.Args(clip_vloss=False))
+    torch.testing.assert_close(stats["value_loss"],
+                               0.5 * (((value - mb["returns"]) / s) ** 2).mean())
+    _, stats = appo.appo_loss(agent, mb, appo.Args(clip_vloss=True, clip_coef=0.1))
+    clipped = mb["prox_value"] / s + ((value - mb["prox_value"]) / s).clamp(-0.1, 0.1)
+    ref = 0.5 * torch.max(((value - mb["returns"]) / s) ** 2,
+                          (clipped - mb["returns"] / s) ** 2).mean()
+    torch.testing.assert_close(stats["value_loss"], ref)
+
+
+@pytest.mark.parametrize("script", PG)
+def test_activation_elu(script):
+    ppo = load_algo(script)
     kinds = {type(m) for m in ppo.Agent(6, activation="elu").torso}
     assert torch.nn.ELU in kinds and torch.nn.ReLU not in kinds
+    kinds = {type(m) for m in ppo.Agent(6).torso}
+    assert torch.nn.ReLU in kinds and torch.nn.ELU not in kinds
 
 
+@pytest.mark.parametrize("script", PG)
 @pytest.mark.parametrize("options", [{}, {"activation": "elu", "normalize_input": True,
                                           "normalize_value": True}])
-def test_evaluate_rebuilds_the_trained_network(options):
-    """benchmarks/evaluate.py's network for a PPO checkpoint: the normalisers from the weights,
-    the activation from the run's flags; the same outputs as the trained agent."""
+def test_evaluate_rebuilds_the_trained_network(options, script):
+    """benchmarks/evaluate.py's network for a PPO or APPO checkpoint: the normalisers from the
+    weights, the activation from the run's flags; the same outputs as the trained agent."""
     from common.trained import build_network
-    ppo = load_algo("ppo_multigpu")
+    ppo = load_algo(script)
     agent, obs = _fitted_agent(ppo, **options)
     weights = agent.state_dict()
     net = build_network(ppo, "pg", weights, 6, ppo.Args(activation=options.get("activation",
