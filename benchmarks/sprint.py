@@ -1,7 +1,8 @@
-"""Pong in minutes: PPO's sprint recipe trained for a wall-clock budget, and when it got there.
+"""Pong in minutes: a script's sprint recipe trained for a wall-clock budget, and when it got there.
 
-    python benchmarks/sprint.py --minutes 3                      # one GPU: Pong, 4 envs per core
+    python benchmarks/sprint.py --minutes 3                      # one GPU: PPO on Pong
     python benchmarks/sprint.py --minutes 60 --no-cuda           # a CPU: the same recipe
+    python benchmarks/sprint.py --algo appo --minutes 30 --no-cuda   # APPO, A2C, A3C: their own
     python benchmarks/sprint.py --env-id tests.catch_env:Catch-v0 --minutes 0.5 --no-cuda \
         --targets 0 0.9 --window 20 --extra "--num-steps 32 --learning-rate 1e-3"
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
-from benchmarks.training import Training, command  # noqa: E402
+from benchmarks.training import Training, command, phase_shares  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
 
 BATCH = 6_144  # samples per iteration (rl_games' ppo_pong_envpool.yaml: 24 actors x 256 steps)
@@ -34,14 +36,18 @@ MIN_ENVS = 24  # rl_games' actors
 MINIBATCHES = 8  # per epoch (rl_games: minibatches of 768 from 6,144)
 EVAL_MAX_STEPS = 27_000  # 108,000 frames: games that long are cut, none shorter
 STOP_GRACE = 120.0  # seconds the run gets to checkpoint and stop after SIGTERM
+A3C_RANKS = 2  # A3C's ranks, each with half of A2C's environments, on one central RMSProp/Adam
 
 
 @dataclass
 class Args:
+    algo: Literal["ppo", "appo", "a2c", "a3c"] = "ppo"
+    """the script and its recipe: ppo_multigpu.py, appo_async.py, a2c_multigpu.py, or
+    a2c_multigpu.py --asynchronous on 2 ranks (docs/results.md, Pong in minutes)"""
     minutes: float = 5.0
     """wall-clock budget from the training run's launch, start-up included"""
     env_id: str = "Pong-v5"
-    """the game (any id ppo_multigpu.py takes)"""
+    """the game (any id the scripts take)"""
     cuda: bool = True
     """train on the GPU when one is visible; --no-cuda: on the CPU"""
     envs_per_core: int = 4
@@ -61,7 +67,7 @@ class Args:
     bf16 units); --no-speed-mode: the script's defaults, for budgets too short to win back ~10 s
     of compilation"""
     extra: str = ""
-    """more ppo_multigpu.py flags as one string, after the recipe's (so they win)"""
+    """more flags of the script as one string, after the recipe's (so they win)"""
     out: str | None = None
     """output folder, which must not exist; default runs/benchmarks/sprint-<host>-<device>"""
 
@@ -71,7 +77,7 @@ def num_envs(cores: int, envs_per_core: int) -> int:
 
 
 def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
-    """ppo_multigpu.py's flags for the sprint on this many cores (sources: docs/benchmarks.md)."""
+    """ppo_multigpu.py's flags for the sprint on this many cores (sources: docs/results.md)."""
     envs = num_envs(cores, envs_per_core)
     steps = -(-BATCH // (envs * MINIBATCHES)) * MINIBATCHES  # so 8 minibatches divide the batch
     return ["--num-envs", str(envs), "--num-steps", str(steps),
@@ -80,6 +86,50 @@ def recipe(cores: int, envs_per_core: int = 4) -> list[str]:
             "--kl-threshold", "0.01", "--gamma", "0.999", "--vf-coef", "1",
             "--max-grad-norm", "10", "--normalize-value", "--normalize-input",
             "--activation", "elu"]
+
+
+def appo_recipe(cores: int, envs_per_core: int = 4) -> list[str]:
+    """appo_async.py's flags: PPO's recipe, whose loss APPO shares (with the lag correction)."""
+    return recipe(cores, envs_per_core)
+
+
+A2C_ENVS, A2C_STEPS = 32, 4  # 128 transitions per update in 4-step rollouts (Lapan, ch. 12)
+
+
+def a2c_recipe(cores: int, envs_per_core: int = 4, ranks: int = 1) -> list[str]:
+    """a2c_multigpu.py's flags, each rank's (ranks > 1: A3C, the environments split between
+    them); the cores do not change them: a larger batch per update would be a new recipe."""
+    return ["--num-envs", str(A2C_ENVS // ranks), "--num-steps", str(A2C_STEPS),
+            "--optimizer", "adam", "--learning-rate", "3e-3", "--no-anneal-lr",
+            "--max-grad-norm", "0.1", *(["--asynchronous"] if ranks > 1 else [])]
+
+
+def algo_recipe(algo: str, cores: int, envs_per_core: int = 4) -> tuple[str, int | None, list]:
+    """(script, ranks under torchrun or None, flags) of a sprint's --algo."""
+    if algo == "ppo":
+        return "ppo_multigpu", None, recipe(cores, envs_per_core)
+    if algo == "appo":
+        return "appo_async", None, appo_recipe(cores, envs_per_core)
+    if algo == "a2c":
+        return "a2c_multigpu", None, a2c_recipe(cores, envs_per_core)
+    return "a2c_multigpu", A3C_RANKS, a2c_recipe(cores, envs_per_core, A3C_RANKS)
+
+
+def as_typed(cmd: list[str], folder: Path) -> list[str]:
+    """`cmd` as a user types it: `python`, paths in the checkout relative to it, those in the
+    output folder as <out>/...; a report carries no machine's paths."""
+    out = []
+    for arg in cmd:
+        if arg == sys.executable:
+            arg = "python"
+        elif os.path.isabs(arg):
+            p = Path(arg)
+            if p.is_relative_to(folder):
+                arg = str(Path("<out>") / p.relative_to(folder))
+            elif p.is_relative_to(ROOT):
+                arg = str(p.relative_to(ROOT))
+        out.append(arg)
+    return out
 
 
 def speed_flags(device: str) -> list[str]:
@@ -188,7 +238,9 @@ def plot(path: Path, games: list[tuple[float, int, float]], means: list[float],
     axes[0].legend(fontsize=8)
     reached = ", ".join(f"{t['target']:g} in {t['minutes']:.1f} min" if t["minutes"] is not None
                         else f"{t['target']:g} not reached" for t in report["targets"])
-    fig.suptitle(f"{report['env_id']} sprint, {report['minutes']:g} min budget: {reached}\n"
+    fig.suptitle(f"{report['env_id']} sprint of {report['script']}"
+                 + (f" on {report['ranks']} ranks" if report["ranks"] > 1 else "")
+                 + f", {report['minutes']:g} min budget: {reached}\n"
                  f"{report['hardware']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -196,9 +248,11 @@ def plot(path: Path, games: list[tuple[float, int, float]], means: list[float],
 
 
 def markdown(r: dict) -> str:
-    lines = [f"{r['env_id']} sprint, {r['minutes']:g}-minute budget, {r['envs']} envs "
-             f"({r['cores']} cores, {r['envs_per_core']} per core, at least {MIN_ENVS}); "
-             f"{r['hardware']}", "",
+    sized = (f" ({r['cores']} cores, {r['envs_per_core']} per core, at least {MIN_ENVS})"
+             if r["algo"] in ("ppo", "appo") else "")
+    ranks = f" on {r['ranks']} ranks" if r["ranks"] > 1 else ""
+    lines = [f"{r['env_id']} sprint of {r['script']}{ranks}, {r['minutes']:g}-minute budget, "
+             f"{r['envs']} envs{sized}; {r['hardware']}", "",
              "| target | time from launch | steps | games |", "|---|---|---|---|"]
     for t in r["targets"]:
         lines.append(f"| {t['target']:g} (mean of last {r['window']}) | "
@@ -208,6 +262,9 @@ def markdown(r: dict) -> str:
     lines += ["", f"- steps used: {r['steps']:,} in {r['train_seconds']:.0f} s "
                   f"({r['steps_per_s_overall']:,.0f} steps/s over the budget, "
                   f"{r['steps_per_s_training']:,.0f} in training, summary.json)",
+              "- where the time went (shares of the run's wall time; a sampler process's "
+              "overlap the learner's): " + ", ".join(
+                  f"{k} {v:.0%}" for k, v in (r["phase_shares"] or {}).items()),
               f"- games played: {r['games']:,}; last mean of {r['window']}: "
               + ("n/a" if r["last_mean"] is None else f"{r['last_mean']:.2f}"),
               "- final evaluation: " + ("not run" if ev is None else ev["error"] if "error" in ev
@@ -228,12 +285,13 @@ def main() -> None:
     except UserError as e:
         fail(str(e))
     run_dir, log = folder / "run", folder / "train.log"
-    flags = recipe(cores, args.envs_per_core) + (speed_flags(device) if args.speed_mode else [])
-    cmd = command("ppo_multigpu", [
+    script, ranks, flags = algo_recipe(args.algo, cores, args.envs_per_core)
+    flags += speed_flags(device) if args.speed_mode else []
+    cmd = command(script, [
         "--env-id", args.env_id, "--seed", str(args.seed), *flags, "--total-timesteps",
         str(10**10), "--eval-episodes", "0", "--eval-max-steps", str(EVAL_MAX_STEPS),
         "--run-dir", str(run_dir), *([] if device == "cuda" else ["--no-cuda"]),
-        *shlex.split(args.extra)])
+        *shlex.split(args.extra)], ranks=ranks)
     print(f"{hw_line}\n$ {shlex.join(cmd)}\ntraining for {args.minutes:g} min; log {log}",
           flush=True)
     run = Training(cmd, log).run(limit=args.minutes * 60, grace=STOP_GRACE)
@@ -252,11 +310,15 @@ def main() -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = summary["global_step"]
     report = {
+        "algo": args.algo, "script": script, "ranks": ranks or 1,
         "env_id": args.env_id, "minutes": args.minutes, "hardware": hw_line, "device": device,
         "cores": cores, "envs_per_core": args.envs_per_core,
-        "envs": num_envs(cores, args.envs_per_core), "recipe": flags, "command": cmd,
+        "envs": summary["args"]["num_envs"] * summary["world_size"], "recipe": flags,
+        "sprint_command": as_typed([sys.executable, __file__, *sys.argv[1:]], folder),
+        "command": as_typed(cmd, folder),
         "stopped_by_budget": stopped, "train_seconds": seconds, "steps": steps,
         "steps_per_s_overall": steps / seconds, "steps_per_s_training": summary.get("sps"),
+        "phase_shares": phase_shares(summary.get("phase_seconds", {}), summary["wall_seconds"]),
         "games": len(games), "window": args.window,
         "last_mean": means[-1] if len(games) >= args.window else None,
         "targets": [], "final_eval": None}

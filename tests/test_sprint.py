@@ -40,6 +40,48 @@ def test_recipe_scales_envs_with_cores_and_keeps_rl_games_batch(cores, envs, ste
     assert a.normalize_input and a.normalize_value and a.activation == "elu"
 
 
+@pytest.mark.parametrize("algo, script, ranks", [
+    ("ppo", "ppo_multigpu", None), ("appo", "appo_async", None), ("a2c", "a2c_multigpu", None),
+    ("a3c", "a2c_multigpu", 2)])
+def test_each_algo_recipe_is_flags_its_script_takes(algo, script, ranks):
+    """--algo picks the script and its recipe: APPO PPO's recipe (the same loss, lag-corrected),
+    A2C 32 envs x 4 steps with Adam 3e-3 and a 0.1 gradient clip (Lapan's Pong settings), A3C
+    the same split over 2 ranks; the script's own parser takes every flag."""
+    got_script, got_ranks, flags = sprint.algo_recipe(algo, 2)
+    assert (got_script, got_ranks) == (script, ranks)
+    a = tyro.cli(load_algo(script).Args, args=flags)
+    if algo in ("ppo", "appo"):
+        assert flags == sprint.recipe(2)
+        assert (a.num_envs, a.num_steps, a.num_minibatches, a.update_epochs) == (24, 256, 8, 3)
+        assert (a.learning_rate, a.kl_threshold, a.activation) == (3e-4, 0.01, "elu")
+        assert a.normalize_input and a.normalize_value and not a.clip_vloss
+    else:
+        assert a.num_envs * (ranks or 1) == 32 and a.num_steps == 4
+        assert (a.optimizer, a.learning_rate, a.anneal_lr, a.max_grad_norm) == (
+            "adam", 3e-3, False, 0.1)
+        assert a.asynchronous == (algo == "a3c") and a.lr_scaling == "none"
+        assert a.gae_lambda == 1.0 and a.gamma == 0.99  # n-step returns, as Lapan's
+
+
+def test_report_commands_carry_no_machine_paths(tmp_path):
+    """The JSON's command as a user types it: python, the script relative to the checkout, the
+    run directory under <out>."""
+    import sys
+    folder = tmp_path / "sprint"
+    cmd = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "algos" / "a2c.py"),
+           "--run-dir", str(folder / "run"), "--resume", "/elsewhere/x", "--seed", "1"]
+    assert sprint.as_typed(cmd, folder) == [
+        "python", "-m", "torch.distributed.run", "algos/a2c.py", "--run-dir", "<out>/run",
+        "--resume", "/elsewhere/x", "--seed", "1"]
+
+
+def test_committed_sprint_reports_carry_no_machine_paths():
+    for path in (ROOT / "benchmarks" / "results").glob("sprint-*.json"):
+        r = json.loads(path.read_text())
+        assert r["command"][0] == "python" and not any(
+            a.startswith(("/", str(ROOT))) for a in r["command"]), path.name
+
+
 def test_speed_flags_are_the_mode_measured_fastest_on_the_device():
     """bf16 and compiled on a CPU with bf16 units (docs/results.md), nothing on a GPU until one
     is measured; flags the script takes."""
@@ -98,6 +140,28 @@ def test_sprint_on_catch_reports_times_and_writes_png_and_csv(tmp_path):
     assert (out / "sprint.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "not reached" in proc.stdout and "| -0.95 (mean of last 20) |" in proc.stdout
     assert (out / "run" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["appo", "a2c", "a3c"])
+def test_each_algo_sprints_on_catch(algo, tmp_path):
+    """The other scripts' sprints end the same way: the budget stops the run, a target is timed,
+    the report names the script and its ranks, and holds no machine path."""
+    out = tmp_path / "s"
+    extra = ("--extra=--num-steps 32 --learning-rate 1e-3",) if algo == "appo" else ()
+    proc = run_sprint("--algo", algo, *CATCH[:5], "--no-speed-mode", *extra, "--minutes", "0.33",
+                      "--targets", "-0.95", "--eval-episodes", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((out / "sprint.json").read_text())
+    script, ranks, _ = sprint.algo_recipe(algo, r["cores"])
+    assert (r["algo"], r["script"], r["ranks"]) == (algo, script, ranks or 1)
+    assert r["stopped_by_budget"] and r["steps"] > 0 and r["games"] >= 20
+    assert r["envs"] == (24 if algo == "appo" else 32)
+    assert r["targets"][0]["minutes"] is not None
+    assert r["command"][:2] == (["python", "-m"] if ranks else ["python", f"algos/{script}.py"])
+    assert str(tmp_path) not in (out / "sprint.json").read_text()
+    assert r["sprint_command"][:4] == ["python", "benchmarks/sprint.py", "--algo", algo]
+    assert f"sprint of {script}" in proc.stdout and "where the time went" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
