@@ -96,9 +96,9 @@ def appo_recipe(cores: int, envs_per_core: int = 4) -> list[str]:
 A2C_ENVS, A2C_STEPS = 32, 4  # 128 transitions per update in 4-step rollouts (Lapan, ch. 12)
 
 
-def a2c_recipe(cores: int, envs_per_core: int = 4, ranks: int = 1) -> list[str]:
+def a2c_recipe(ranks: int = 1) -> list[str]:
     """a2c_multigpu.py's flags, each rank's (ranks > 1: A3C, the environments split between
-    them); the cores do not change them: a larger batch per update would be a new recipe."""
+    them), whatever the cores: a larger batch per update would be a new recipe."""
     return ["--num-envs", str(A2C_ENVS // ranks), "--num-steps", str(A2C_STEPS),
             "--optimizer", "adam", "--learning-rate", "3e-3", "--no-anneal-lr",
             "--max-grad-norm", "0.1", *(["--asynchronous"] if ranks > 1 else [])]
@@ -111,8 +111,8 @@ def algo_recipe(algo: str, cores: int, envs_per_core: int = 4) -> tuple[str, int
     if algo == "appo":
         return "appo_async", None, appo_recipe(cores, envs_per_core)
     if algo == "a2c":
-        return "a2c_multigpu", None, a2c_recipe(cores, envs_per_core)
-    return "a2c_multigpu", A3C_RANKS, a2c_recipe(cores, envs_per_core, A3C_RANKS)
+        return "a2c_multigpu", None, a2c_recipe()
+    return "a2c_multigpu", A3C_RANKS, a2c_recipe(A3C_RANKS)
 
 
 def as_typed(cmd: list[str], folder: Path) -> list[str]:
