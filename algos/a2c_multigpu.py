@@ -49,7 +49,10 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     anneal_lr: bool = True
     """decay the learning rate linearly to 0 over --total-timesteps (baselines' a2c 'linear')"""
     optimizer: Literal["rmsprop", "adam"] = "rmsprop"
-    """RMSprop as in the A3C paper and baselines' a2c; Adam (eps 1e-5) as rlpyt's A2C default"""
+    """RMSprop as in the A3C paper and baselines' a2c; Adam as rlpyt's A2C default"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (rlpyt's A2C: 1e-5); a large one (Lapan's Pong A2C: 1e-3) damps the steps of
+    parameters whose gradients are small, as under a tight --max-grad-norm"""
     rmsprop_alpha: float = 0.99
     """RMSprop decay of the mean squared gradient (A3C paper, baselines' a2c)"""
     rmsprop_eps: float = 1e-5
@@ -116,10 +119,17 @@ def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamm
 
 def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
-        return gpu.adam(agent.parameters(), lr=lr, eps=1e-5)
+        return gpu.adam(agent.parameters(), lr=lr, eps=args.adam_eps)
     # TensorFlow's RMSprop: sqrt(eps) outside the root for eps inside (docs/policy-gradient.md)
     return torch.optim.RMSprop(agent.parameters(), lr=lr, alpha=args.rmsprop_alpha,
                                eps=math.sqrt(args.rmsprop_eps))
+
+
+def central_rule(args: Args) -> dict:
+    """make_optimizer's rule for the central optimizer of --asynchronous."""
+    if args.optimizer == "adam":
+        return dict(rule="adam", eps=args.adam_eps)
+    return dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps))
 
 
 def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Tensor, args: Args
@@ -189,11 +199,9 @@ def main() -> None:
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)
     global_step = run.restore(partial(central_optim.refusal, args), model=agent)
-    rule = (dict(rule="adam", eps=1e-5) if args.optimizer == "adam" else  # as make_optimizer
-            dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps)))
     step = central_optim.make_step(agent, optimizer, run, asynchronous=args.asynchronous,
                                    max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
-                                   **rule)
+                                   **central_rule(args))
     schedule_step = global_step  # schedules' step (A3C: the machine's, at this rank's rollout)
 
     global_batch = batch_per_rank * world.world_size

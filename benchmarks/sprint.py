@@ -100,8 +100,9 @@ def a2c_recipe(ranks: int = 1) -> list[str]:
     """a2c_multigpu.py's flags, each rank's (ranks > 1: A3C, the environments split between
     them), whatever the cores: a larger batch per update would be a new recipe."""
     return ["--num-envs", str(A2C_ENVS // ranks), "--num-steps", str(A2C_STEPS),
-            "--optimizer", "adam", "--learning-rate", "3e-3", "--no-anneal-lr",
-            "--max-grad-norm", "0.1", *(["--asynchronous"] if ranks > 1 else [])]
+            "--optimizer", "adam", "--learning-rate", "3e-3", "--adam-eps", "1e-3",
+            "--no-anneal-lr", "--max-grad-norm", "0.1", "--vf-coef", "2",
+            *(["--asynchronous"] if ranks > 1 else [])]
 
 
 def algo_recipe(algo: str, cores: int, envs_per_core: int = 4) -> tuple[str, int | None, list]:

@@ -65,6 +65,31 @@ def test_gae_matches_reference_and_lambda_one_gives_nstep(a2c):
     torch.testing.assert_close(adv + v, ret, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("optimizer_name", ["adam", "rmsprop"])
+def test_the_optimizers_epsilon_is_the_flags_and_the_central_rules(a2c, optimizer_name):
+    """--adam-eps sets Adam's epsilon: the first step is lr g / (|g| + eps) per parameter (bias
+    corrected), so a large epsilon damps small gradients (Lapan's 1e-3 under a 0.1 clip); A3C's
+    central optimizer gets the same rule and settings."""
+    args = a2c.Args(optimizer=optimizer_name, adam_eps=1e-3)
+    agent = a2c.Agent(6)
+    opt = a2c.make_optimizer(agent, args, lr=0.1)
+    group = opt.param_groups[0]
+    rule = a2c.central_rule(args)
+    assert rule["rule"] == optimizer_name and rule["eps"] == group["eps"]
+    if optimizer_name == "rmsprop":
+        assert group["eps"] == 1e-5 ** 0.5 and rule["alpha"] == group["alpha"] == 0.99
+        return
+    assert group["eps"] == 1e-3
+    before = [p.detach().clone() for p in agent.parameters()]
+    grads = [torch.randn_like(p) * 10.0 ** torch.randint(-6, 0, p.shape) for p in before]
+    for p, g in zip(agent.parameters(), grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, p0, g in zip(agent.parameters(), before, grads):
+        torch.testing.assert_close(p0 - p.detach(), 0.1 * g / (g.abs() + 1e-3),
+                                   rtol=1e-4, atol=1e-7)
+
+
 def _rollout(T, B, num_actions, seed=0):
     g = torch.Generator().manual_seed(seed)
     term = torch.rand(T, B, generator=g) < 0.2
