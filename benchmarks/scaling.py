@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs, registry  # noqa: E402
 from benchmarks.errors import checked, fail, stop_on_sigterm  # noqa: E402
-from benchmarks.training import Training, command, phase_shares, scalars, summary  # noqa: E402
+from benchmarks.training import (Training, as_typed, command, phase_shares,  # noqa: E402
+                                 scalars, summary, typed_path)
 
 STEPS_50M = 50_000_000
 
@@ -89,7 +90,8 @@ def run_one(name: str, ranks: int, args: Args, use_cuda: bool, run_dir: Path) ->
     cmd = command(registry.script_path(algo), [
         "--env-id", args.env_id, "--seed", str(args.seed), "--total-timesteps", str(10**12),
         "--run-dir", str(run_dir), "--cuda" if use_cuda else "--no-cuda", *flags], ranks)
-    res = Result(name, ranks, " ".join(cmd[1:]))
+    folder = "<keep-runs>" if args.keep_runs else "<tmp>"  # as a user reads it, on any machine
+    res = Result(name, ranks, " ".join(as_typed(cmd, run_dir.parent, folder)[1:]))
     env = None if use_cuda else {
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
                                           str(max(1, (os.cpu_count() or 1) // ranks)))}
@@ -293,8 +295,9 @@ def main() -> None:
                                                   registry.ALGOS[r.algo].paper_hours))}
             for r in results]
     path = {ext: Path(f"{prefix}.{ext}") for ext in ("json", "md", "png")}  # host may hold dots
+    record = {**asdict(args), "out": typed_path(args.out), "keep_runs": typed_path(args.keep_runs)}
     path["json"].write_text(json.dumps(
-        {"hardware": hw, "args": asdict(args), "device": "cuda" if use_cuda else "cpu",
+        {"hardware": hw, "args": record, "device": "cuda" if use_cuda else "cpu",
          "ranks": ranks, "results": rows, "table_markdown": table}, indent=2, default=str))
     path["md"].write_text(table)
     plot(results, path["png"], hw, args.env_id)

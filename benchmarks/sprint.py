@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import outputs  # noqa: E402
 from benchmarks.errors import UserError, fail  # noqa: E402
-from benchmarks.training import Training, command, phase_shares  # noqa: E402
+from benchmarks.training import Training, as_typed, command, phase_shares  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
 
 BATCH = 6_144  # samples per iteration (rl_games' ppo_pong_envpool.yaml: 24 actors x 256 steps)
@@ -114,23 +114,6 @@ def algo_recipe(algo: str, cores: int, envs_per_core: int = 4) -> tuple[str, int
     if algo == "a2c":
         return "a2c_multigpu", None, a2c_recipe()
     return "a2c_multigpu", A3C_RANKS, a2c_recipe(A3C_RANKS)
-
-
-def as_typed(cmd: list[str], folder: Path) -> list[str]:
-    """`cmd` as a user types it: `python`, paths in the checkout relative to it, those in the
-    output folder as <out>/...; a report carries no machine's paths."""
-    out = []
-    for arg in cmd:
-        if arg == sys.executable:
-            arg = "python"
-        elif os.path.isabs(arg):
-            p = Path(arg)
-            if p.is_relative_to(folder):
-                arg = str(Path("<out>") / p.relative_to(folder))
-            elif p.is_relative_to(ROOT):
-                arg = str(p.relative_to(ROOT))
-        out.append(arg)
-    return out
 
 
 def speed_flags(device: str) -> list[str]:

@@ -26,6 +26,7 @@ from benchmarks.throughput_parts import dqn as dqn_part  # noqa: E402
 from benchmarks.throughput_parts import modes as modes_part  # noqa: E402
 from benchmarks.throughput_parts import ppo as ppo_part  # noqa: E402
 from benchmarks.throughput_parts.measure import split_problem  # noqa: E402  # sets OMP_WAIT_POLICY
+from benchmarks.training import typed_path  # noqa: E402
 from common.flag_ranges import out_of_range  # noqa: E402
 import torch  # noqa: E402
 from common import envs  # noqa: E402
@@ -118,7 +119,8 @@ def run_parts(names, args: Args, write: bool = True) -> dict[str, dict]:
     print(f"hardware: {hw['line']}", flush=True)
     results = {}
     for key, a in chosen.items():
-        res = results[key] = {"hardware": hw, "device": str(device), "args": dict(vars(a))}
+        res = results[key] = {"hardware": hw, "device": str(device),
+                              "args": {**vars(a), "out": typed_path(a.out)}}
         FAMILIES[key].run(res, a, set(names), device, num_actions)
         res["table_markdown"] = FAMILIES[key].report(res, a)
         print("\n" + res["table_markdown"])

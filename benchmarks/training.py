@@ -1,14 +1,15 @@
 """How every benchmark launches a training script, watches it and stops it.
 
 `command()` builds the line (`python algos/x.py ...`, or torchrun with N ranks on this
-machine); `Training` starts it in its own session (a Ctrl-C in the benchmark reaches only the
-benchmark, which then stops the run once), reads its merged output as it comes (into a log file,
-echoed, and the progress lines' global steps), and stops it the scripts' clean way: SIGTERM to
-every rank, which finishes its iteration, checkpoints, writes summary.json and exits 0. The
-signal goes to the ranks, not to torchrun's agent, which would forward it but kill its workers
-30 s later, before a slow rank reaches its stop check. A run that has not exited `grace`
-seconds later is killed with its whole session. `scalars` reads a run's TensorBoard events and
-`phase_shares` is the one reading of where a run's time went.
+machine), `as_typed()` writes it for an output without the machine's paths. `Training` starts
+it in its own session (a Ctrl-C in the benchmark reaches only the benchmark, which then stops
+the run once), reads its merged output as it comes (into a log file, echoed, and the progress
+lines' global steps), and stops it the scripts' clean way: SIGTERM to every rank, which finishes
+its iteration, checkpoints, writes summary.json and exits 0. The signal goes to the ranks, not
+to torchrun's agent, which would forward it but kill its workers 30 s later, before a slow rank
+reaches its stop check. A run that has not exited `grace` seconds later is killed with its whole
+session. `scalars` reads a run's TensorBoard events and `phase_shares` is the one reading of
+where a run's time went.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,33 @@ def command(script: str | Path, flags: list[str], ranks: int | None = None) -> l
     launcher = [sys.executable] if ranks is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     return [*launcher, str(path), *flags]
+
+
+def as_typed(cmd: list[str], folder: Path, label: str = "<out>") -> list[str]:
+    """`cmd` as a user types it, for an output to carry: `python`, paths in the checkout relative
+    to it, those under `folder` (an output or scratch folder) as `label`/...; no machine's paths."""
+    out = []
+    for arg in cmd:
+        if arg == sys.executable:
+            arg = "python"
+        elif os.path.isabs(arg):
+            p = Path(arg)
+            if p.is_relative_to(folder):
+                arg = str(Path(label) / p.relative_to(folder))
+            elif p.is_relative_to(ROOT):
+                arg = str(p.relative_to(ROOT))
+        out.append(arg)
+    return out
+
+
+def typed_path(path: str | None) -> str | None:
+    """An output path given by the user, as an output records it: relative to the checkout, or
+    <tmp>/... in the temporary folder."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else as_typed(
+        [str(p)], Path(tempfile.gettempdir()).resolve(), "<tmp>")[0]
 
 
 class Training:

@@ -9,8 +9,10 @@ throughput entry point's ppo, dqn and catdqn parts at toy sizes.
 import ast
 import csv
 import json
+import re
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 from tests.conftest import ROOT, run_python
 
 from benchmarks import atari_scores, experiments, outputs, plot, registry, scaling  # noqa: E402
-from benchmarks import throughput  # noqa: E402
+from benchmarks import throughput, training  # noqa: E402
 
 CATCH = "tests.catch_env:Catch-v0"
 
@@ -104,6 +106,9 @@ def test_scaling_table_one_and_two_gloo_ranks(tmp_path):
     assert f"| ppo | {one['hours_50m']:,.1f} (4.4) | {two['hours_50m']:,.1f} (2.6) | - (1.5) |" \
         in table
     assert prefix.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert_no_machine_paths(prefix.with_suffix(".json"), tmp_path)
+    assert one["cmd"].startswith("-m torch.distributed.run --standalone --nproc_per_node=1 "
+                                 "algos/ppo_multigpu.py ") and " --run-dir <tmp>/" in one["cmd"]
 
 
 def test_human_normalised_scores(tmp_path, capsys, monkeypatch):
@@ -244,8 +249,10 @@ def test_throughput_parts_write_the_committed_fields(tmp_path):
         assert res["hardware"]["line"] in res["table_markdown"]
         assert res["table_markdown"] == families[stem].report(res, SimpleNamespace(**res["args"]))
         assert res["table_markdown"] in proc.stdout
+        assert_no_machine_paths(out / f"{stem}-{host}-cpu.json", tmp_path)
     res = json.loads((out / f"throughput-{host}-cpu.json").read_text())
     assert res["args"]["ppo"] and not res["args"]["a2c"]
+    assert res["ppo_e2e_plain"]["cmd"].startswith("algos/ppo_multigpu.py --env-id ")
     for alt in ("plain", "alternating"):
         e = res[f"ppo_e2e_{alt}"]
         assert e["returncode"] == 0 and "error" not in e and e["steady_sps"] > 0
@@ -265,6 +272,32 @@ def test_throughput_parts_write_the_committed_fields(tmp_path):
     assert "| dqn_multigpu --async-sampling end to end |" in dqn["table_markdown"]
     c51 = json.loads((out / f"throughput-cat-dqn-{host}-cpu.json").read_text())
     assert c51["projection"]["max_abs_diff_vs_per_atom"] < 1e-4  # the references agree
+
+
+MACHINE_PATH = re.compile(r"(?<![\w<>.-])/(?:tmp|home|work|root|usr|opt|var|mnt)/")
+
+
+def assert_no_machine_paths(path, *folders):
+    """An output names paths as a user types them (relative to the checkout, <tmp>/..., <out>/...),
+    never this machine's: the committed ones are read on other machines."""
+    text = path.read_text()
+    for folder in (ROOT, *folders):
+        assert str(folder) not in text, (path.name, str(folder))
+    assert not MACHINE_PATH.search(text), (path.name, MACHINE_PATH.search(text))
+
+
+def test_committed_results_carry_no_machine_paths():
+    files = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert len(files) >= 10
+    for path in files:
+        assert_no_machine_paths(path)
+
+
+def test_paths_an_output_records_are_typed_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert training.typed_path(str(ROOT / "benchmarks" / "results")) == "benchmarks/results"
+    assert training.typed_path(str(tmp_path / "m" / "bench")) == "<tmp>/m/bench"
+    assert training.typed_path(None) is None
 
 
 def test_committed_throughput_results_still_render():

@@ -10,7 +10,7 @@ import tyro
 
 from tests.conftest import ROOT, load_algo, run_python
 
-from benchmarks import sprint  # noqa: E402
+from benchmarks import sprint, training  # noqa: E402
 
 CATCH = ("--env-id", "tests.catch_env:Catch-v0", "--no-cuda", "--window", "20", "--no-speed-mode",
          "--extra=--num-steps 32 --learning-rate 1e-3")
@@ -72,7 +72,7 @@ def test_report_commands_carry_no_machine_paths(tmp_path):
     folder = tmp_path / "sprint"
     cmd = [sys.executable, "-m", "torch.distributed.run", str(ROOT / "algos" / "a2c.py"),
            "--run-dir", str(folder / "run"), "--resume", "/elsewhere/x", "--seed", "1"]
-    assert sprint.as_typed(cmd, folder) == [
+    assert training.as_typed(cmd, folder) == [
         "python", "-m", "torch.distributed.run", "algos/a2c.py", "--run-dir", "<out>/run",
         "--resume", "/elsewhere/x", "--seed", "1"]
 

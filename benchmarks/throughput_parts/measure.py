@@ -13,8 +13,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the training scripts s
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.training import (ROOT, Training, command, phase_shares,  # noqa: E402,F401
-                                 scalars, summary)  # ROOT: the parts' too
+from benchmarks.training import (ROOT, Training, as_typed, command,  # noqa: E402,F401
+                                 phase_shares, scalars, summary)  # ROOT: the parts' too
 from common.trained import load_algo  # noqa: E402,F401  # the throughput parts' loader
 
 
@@ -74,8 +74,9 @@ def run_e2e(script: str, flags: list[str], a, use_cuda: bool, run_dir: Path) -> 
     t = Training(cmd, env=env).run(
         until=lambda t: bool(t.progress) and t.elapsed - t.progress[0][0] >= a.e2e_seconds,
         limit=a.e2e_seconds + 600)  # never hang the benchmark
-    out = {"cmd": " ".join(cmd[1:]), "returncode": t.returncode, "iterations": len(t.progress),
-           "first_iteration_done_s": t.progress[0][0] if t.progress else None, **t.steady()}
+    out = {"cmd": " ".join(as_typed(cmd, run_dir.parent, "<tmp>")[1:]),
+           "returncode": t.returncode, "iterations": len(t.progress), "first_iteration_done_s":
+           t.progress[0][0] if t.progress else None, **t.steady()}
     if len(t.progress) < 2 or t.returncode != 0:
         out["error"] = (t.tail(40)[-2000:] if t.returncode
                         else "fewer than 2 progress lines: " + t.tail(3))
