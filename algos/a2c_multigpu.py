@@ -117,19 +117,18 @@ def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamm
     return returns
 
 
-def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
-    if args.optimizer == "adam":
-        return gpu.adam(agent.parameters(), lr=lr, eps=args.adam_eps)
-    # TensorFlow's RMSprop: sqrt(eps) outside the root for eps inside (docs/policy-gradient.md)
-    return torch.optim.RMSprop(agent.parameters(), lr=lr, alpha=args.rmsprop_alpha,
-                               eps=math.sqrt(args.rmsprop_eps))
-
-
-def central_rule(args: Args) -> dict:
-    """make_optimizer's rule for the central optimizer of --asynchronous."""
+def optimizer_rule(args: Args) -> dict:
+    """The update rule and its settings, for make_optimizer and A3C's central optimizer alike."""
     if args.optimizer == "adam":
         return dict(rule="adam", eps=args.adam_eps)
+    # TensorFlow's RMSprop: sqrt(eps) outside the root for eps inside (docs/policy-gradient.md)
     return dict(rule="rmsprop", alpha=args.rmsprop_alpha, eps=math.sqrt(args.rmsprop_eps))
+
+
+def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer:
+    settings = optimizer_rule(args)
+    make = gpu.adam if settings.pop("rule") == "adam" else torch.optim.RMSprop
+    return make(agent.parameters(), lr=lr, **settings)
 
 
 def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Tensor, args: Args
@@ -201,7 +200,7 @@ def main() -> None:
     global_step = run.restore(partial(central_optim.refusal, args), model=agent)
     step = central_optim.make_step(agent, optimizer, run, asynchronous=args.asynchronous,
                                    max_grad_norm=args.max_grad_norm, num_chunks=args.num_chunks,
-                                   **central_rule(args))
+                                   **optimizer_rule(args))
     schedule_step = global_step  # schedules' step (A3C: the machine's, at this rank's rollout)
 
     global_batch = batch_per_rank * world.world_size

@@ -66,7 +66,7 @@ def test_gae_matches_reference_and_lambda_one_gives_nstep(a2c):
 
 
 @pytest.mark.parametrize("optimizer_name", ["adam", "rmsprop"])
-def test_the_optimizers_epsilon_is_the_flags_and_the_central_rules(a2c, optimizer_name):
+def test_the_optimizers_epsilon_is_the_flags_and_the_central_optimizers(a2c, optimizer_name):
     """--adam-eps sets Adam's epsilon: the first step is lr g / (|g| + eps) per parameter (bias
     corrected), so a large epsilon damps small gradients (Lapan's 1e-3 under a 0.1 clip); A3C's
     central optimizer gets the same rule and settings."""
@@ -74,7 +74,7 @@ def test_the_optimizers_epsilon_is_the_flags_and_the_central_rules(a2c, optimize
     agent = a2c.Agent(6)
     opt = a2c.make_optimizer(agent, args, lr=0.1)
     group = opt.param_groups[0]
-    rule = a2c.central_rule(args)
+    rule = a2c.optimizer_rule(args)
     assert rule["rule"] == optimizer_name and rule["eps"] == group["eps"]
     if optimizer_name == "rmsprop":
         assert group["eps"] == 1e-5 ** 0.5 and rule["alpha"] == group["alpha"] == 0.99
