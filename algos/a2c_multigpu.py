@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import central_optim, cli, dist, envs, evaluation, gpu, grad_step
 from common.advantages import gae  # GAE, eq. 16 of Schulman et al. 2016
 from common.run import Run, RunArgs
+from common.running_norm import RunningNorm
 from common.sampler import Sampler
 
 
@@ -74,6 +75,14 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     (common/central_optim.py), with no all-reduce; one machine only"""
     num_chunks: int = 3
     """chunks of the central parameters, each under its own lock (paper: 3)"""
+    normalize_input: bool = False
+    """feed the network each input element normalised by its running mean and standard deviation,
+    clipped to +-5 (rl_games' normalize_input; common/running_norm.py); off: frames / 255 (PPO
+    paper)"""
+    normalize_value: bool = False
+    """learn the value in units of the returns' running standard deviation (rl_games'
+    normalize_value, without its +-5 clips and with statistics of the returns alone:
+    docs/results.md); the value loss, any clipping of it and --vf-coef apply in those units"""
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -84,9 +93,11 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 class Agent(nn.Module):
     """Nature-DQN torso (Mnih et al. 2015), policy and value heads; forward in --precision
-    and --channels-last."""
+    and --channels-last. With --normalize-input / --normalize-value it holds the running
+    statistics (buffers, so checkpoints carry them) and returns the value in the returns' units."""
 
-    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto"):
+    def __init__(self, num_actions: int, precision: str = "fp32", channels_last: str = "auto",
+                 normalize_input: bool = False, normalize_value: bool = False):
         super().__init__()
         self.precision, self.channels_last = precision, channels_last
         self.torso = nn.Sequential(
@@ -96,12 +107,29 @@ class Agent(nn.Module):
             layer_init(nn.Linear(64 * 7 * 7, 512)), nn.ReLU())
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)  # near-uniform first policy
         self.critic = layer_init(nn.Linear(512, 1), std=1.0)
+        self.obs_norm = RunningNorm(envs.OBS_SHAPE) if normalize_input else None
+        self.value_norm = RunningNorm(()) if normalize_value else None
 
     @gpu.in_modes
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs uint8 [N, 4, 84, 84] -> logits [N, A], value [N] (float32)."""
-        h = self.torso(obs.float() / 255.0)
-        return gpu.float32(self.actor, h), gpu.float32(self.critic, h).squeeze(-1)
+        x = obs.float() / 255.0
+        h = self.torso(self.obs_norm(x) if self.obs_norm is not None else x)
+        value = gpu.float32(self.critic, h).squeeze(-1)
+        if self.value_norm is not None:
+            value = self.value_norm.denormalize(value)
+        return gpu.float32(self.actor, h), value
+
+    def value_scale(self) -> torch.Tensor | float:
+        """The unit the value is learned in: the returns' running standard deviation, or 1."""
+        return self.value_norm.std() if self.value_norm is not None else 1.0
+
+    def update_norms(self, obs: torch.Tensor, returns: torch.Tensor) -> None:
+        """Fold a batch (obs uint8 [N, 4, 84, 84], returns [N]) into the running statistics."""
+        if self.obs_norm is not None:
+            self.obs_norm.update(obs, scale=1 / 255.0)
+        if self.value_norm is not None:
+            self.value_norm.update(returns)
 
 
 def nstep_returns(rewards, terminated, truncated, final_values, next_value, gamma):
@@ -132,9 +160,10 @@ def make_optimizer(agent: Agent, args: Args, lr: float) -> torch.optim.Optimizer
 
 
 def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Tensor, args: Args
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A2C's loss on a [T, B] rollout and next_obs [B] -> (loss, statistics): one forward pass,
-    by the parameters that sampled the rollout, gives the terms and the bootstrap value."""
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """A2C's loss on a [T, B] rollout and next_obs [B] -> (loss, statistics, returns [T * B]):
+    one forward pass, by the parameters that sampled the rollout, gives the terms and the
+    bootstrap value."""
     T, B = rollout["rewards"].shape
     obs = torch.cat([rollout["obs"].flatten(0, 1), next_obs])  # [(T + 1) * B, 4, 84, 84] uint8
     logits, values = agent(obs)
@@ -154,21 +183,24 @@ def a2c_loss(agent: Agent, rollout: dict[str, torch.Tensor], next_obs: torch.Ten
     # A3C paper Sec. 4: advantage-weighted policy gradient, value error, entropy bonus
     pi = Categorical(logits=logits)
     pg_loss = -(advantages * pi.log_prob(rollout["actions"].flatten())).mean()
-    v_loss = 0.5 * ((values - returns) ** 2).mean()
+    s = agent.value_scale()  # --normalize-value: value errors in the returns' standard deviations
+    v_loss = 0.5 * (((values - returns) / s) ** 2).mean()
     entropy = pi.entropy().mean()
     loss = pg_loss - args.ent_coef * entropy + args.vf_coef * v_loss
     with torch.no_grad():
         explained_var = 1 - torch.var(returns - values) / torch.var(returns).clamp(min=1e-8)
     return loss, {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
-                  "entropy": entropy.detach(), "explained_variance": explained_var}
+                  "entropy": entropy.detach(), "explained_variance": explained_var}, returns
 
 
 def a2c_update(agent: Agent, step: grad_step.AllReduceStep, rollout: dict[str, torch.Tensor],
                next_obs: torch.Tensor, args: Args) -> tuple[dict[str, torch.Tensor], float]:
     """One step (all-reduced or central: common/grad_step.py) on this rank's [T, B] rollout;
     returns (stats as device tensors, comm seconds)."""
-    loss, stats = gpu.compiled(a2c_loss, args.compile)(agent, rollout, next_obs, args)
+    loss, stats, returns = gpu.compiled(a2c_loss, args.compile)(agent, rollout, next_obs, args)
     grad_norm, comm = step(loss)
+    # the statistics take in a rollout after its step, so its loss and bootstrap saw one set
+    agent.update_norms(rollout["obs"].flatten(0, 1), returns)
     return {**stats, "grad_norm": grad_norm}, comm
 
 
@@ -178,6 +210,10 @@ def main() -> None:
     batch_per_rank = args.num_envs * args.num_steps
     if args.asynchronous:
         central_optim.check(args, world)
+    if args.asynchronous and (args.normalize_input or args.normalize_value):
+        dist.fail("--normalize-input and --normalize-value keep statistics that every rank updates "
+                  "together after each step; A3C's ranks never meet: leave them off with "
+                  "--asynchronous")
     if args.asynchronous and args.lr_scaling != "none":
         dist.fail("--lr-scaling scales the step of the synchronous global batch; with "
                   "--asynchronous each rank steps on its own batch: leave it at none")
@@ -193,7 +229,8 @@ def main() -> None:
     base_lr = args.learning_rate * {"none": 1.0, "linear": world.world_size,
                                     "sqrt": math.sqrt(world.world_size)}[args.lr_scaling]
     torch.manual_seed(args.seed)  # same initial parameters on every rank (broadcast too)
-    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last).to(device)
+    agent = Agent(env_groups[0].num_actions, args.precision, args.channels_last,
+                  args.normalize_input, args.normalize_value).to(device)
     optimizer = make_optimizer(agent, args, base_lr)
     torch.manual_seed(args.seed * 1000 + world.rank)  # per-rank action sampling
     np.random.seed(args.seed * 1000 + world.rank)

@@ -79,7 +79,7 @@ class Args(RunArgs):  # the flags every script shares: common/run.py
     normalize_value: bool = False
     """learn the value in units of the returns' running standard deviation (rl_games'
     normalize_value, without its +-5 clips and with statistics of the returns alone:
-    docs/results.md); the value loss, its clipping and --vf-coef apply in those units"""
+    docs/results.md); the value loss, any clipping of it and --vf-coef apply in those units"""
     activation: Literal["relu", "elu"] = "relu"
     """the torso's nonlinearity (Nature DQN: relu; rl_games' Atari configs: elu)"""
 

@@ -166,16 +166,16 @@ def run_args(module, ckpt: Path, state: dict):
 
 def build_network(module, kind: str, weights: dict, num_actions: int,
                   run=None) -> torch.nn.Module:
-    """The script's network for `weights`. Dueling heads, C51's atoms and PPO's and APPO's
-    running normalisers are read from the weights themselves (they are what was trained,
-    whatever a flag says); their activation from the run's flags."""
+    """The script's network for `weights`. Dueling heads, C51's atoms and the policy-gradient
+    scripts' running normalisers are read from the weights themselves (they are what was trained,
+    whatever a flag says); PPO's and APPO's activation from the run's flags."""
     dueling = any(k.startswith("value.") for k in weights)
     if kind == "pg":
-        if "activation" not in module.Args.__dataclass_fields__:  # no normalisers or activation
-            return module.Agent(num_actions)
-        return module.Agent(num_actions, activation=getattr(run, "activation", "relu"),
-                            normalize_input="obs_norm.mean" in weights,
-                            normalize_value="value_norm.mean" in weights)
+        options = dict(normalize_input="obs_norm.mean" in weights,
+                       normalize_value="value_norm.mean" in weights)
+        if "activation" in module.Args.__dataclass_fields__:
+            options["activation"] = getattr(run, "activation", "relu")
+        return module.Agent(num_actions, **options)
     if kind == "dqn":
         return module.QNetwork(num_actions, dueling)
     if "support" not in weights:

@@ -101,40 +101,51 @@ def _rollout(T, B, num_actions, seed=0):
         torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8)
 
 
-def _update(rollout, next_obs, optimizer_name, out_path=None):
-    """One A2C update from fixed initial parameters; returns them."""
+def _update(rollout, next_obs, optimizer_name, normalised, out_path=None):
+    """Two A2C updates from fixed initial parameters (the second under the statistics the first
+    folded in, with --normalize-input and --normalize-value); returns the parameters and the
+    running statistics."""
     from common import dist
     a2c = load_algo("a2c_multigpu")
     world = dist.setup(cuda=False)
-    args = a2c.Args(optimizer=optimizer_name, gae_lambda=0.9 if optimizer_name == "adam" else 1.0)
+    args = a2c.Args(optimizer=optimizer_name, gae_lambda=0.9 if optimizer_name == "adam" else 1.0,
+                    normalize_input=normalised, normalize_value=normalised)
     torch.manual_seed(123)
-    agent = a2c.Agent(6)
+    agent = a2c.Agent(6, normalize_input=normalised, normalize_value=normalised)
     dist.broadcast_params(agent)
     opt = a2c.make_optimizer(agent, args, lr=1e-3)
-    a2c.a2c_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), rollout, next_obs, args)
+    for _ in range(2 if normalised else 1):
+        a2c.a2c_update(agent, AllReduceStep(agent, opt, args.max_grad_norm), rollout, next_obs,
+                       args)
     params = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+    stats = torch.cat([v.flatten().float() for k, v in sorted(agent.state_dict().items())
+                       if "_norm." in k] or [torch.zeros(0)])
     if out_path:
-        torch.save(params, f"{out_path}.{world.rank}")
+        torch.save((params, stats), f"{out_path}.{world.rank}")
     dist.cleanup()
-    return params
+    return params, stats
 
 
-def _rank(rank, rollout, next_obs, optimizer_name, out_path):
+def _rank(rank, rollout, next_obs, optimizer_name, normalised, out_path):
     half = {k: v.chunk(2, dim=1)[rank] for k, v in rollout.items()}  # each rank: half the envs
-    _update(half, next_obs.chunk(2)[rank], optimizer_name, out_path)
+    _update(half, next_obs.chunk(2)[rank], optimizer_name, normalised, out_path)
 
 
-@pytest.mark.parametrize("optimizer_name", ["rmsprop", "adam"])
-def test_two_ranks_on_half_the_envs_equal_one_process_on_all(tmp_path, optimizer_name):
+@pytest.mark.parametrize("optimizer_name,normalised",
+                         [("rmsprop", False), ("adam", False), ("adam", True)])
+def test_two_ranks_on_half_the_envs_equal_one_process_on_all(tmp_path, optimizer_name,
+                                                             normalised):
     rollout, next_obs = _rollout(5, 8, 6)
-    run_two_ranks(_rank, rollout, next_obs, optimizer_name, str(tmp_path / "p"))
-    r0, r1 = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
-    single = _update(rollout, next_obs, optimizer_name)
-    assert torch.equal(r0, r1)  # every rank took the same step
+    run_two_ranks(_rank, rollout, next_obs, optimizer_name, normalised, str(tmp_path / "p"))
+    (r0, s0), (r1, s1) = torch.load(tmp_path / "p.0"), torch.load(tmp_path / "p.1")
+    single, stats = _update(rollout, next_obs, optimizer_name, normalised)
+    assert torch.equal(r0, r1) and torch.equal(s0, s1)  # every rank took the same steps
     torch.manual_seed(123)
     init = torch.nn.utils.parameters_to_vector(load_algo("a2c_multigpu").Agent(6).parameters())
     assert (single - init).abs().max() > 1e-4  # the update did move the parameters
     torch.testing.assert_close(r0, single, rtol=1e-4, atol=1e-6)
+    assert len(stats) == (2 * 4 * 84 * 84 + 4 if normalised else 0)  # obs and value: mean, var
+    torch.testing.assert_close(s0, stats, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -211,6 +222,8 @@ def test_bad_inputs_give_one_clear_line(tmp_path):
                                                    "--run-dir", run)
     assert "with --asynchronous each rank steps on its own batch" in _bad(
         "--asynchronous", "--lr-scaling", "linear", "--run-dir", run)
+    assert "A3C's ranks never meet: leave them off with --asynchronous" in _bad(
+        "--asynchronous", "--normalize-value", "--run-dir", run)
     assert not (tmp_path / "new").exists()  # no run directory is made for a failed start
 
 

@@ -1,6 +1,6 @@
-"""common/running_norm.py and PPO's and APPO's --normalize-input, --normalize-value and
---activation: reference computations, the two-rank equivalence, and a checkpoint's policy rebuilt
-by evaluate."""
+"""common/running_norm.py and A2C's, PPO's and APPO's --normalize-input and --normalize-value
+(PPO's and APPO's --activation): reference computations, the two-rank equivalence, and a
+checkpoint's policy rebuilt by evaluate."""
 
 import numpy as np
 import pytest
@@ -83,10 +83,11 @@ def _fitted_agent(ppo, **options):
     return agent, obs
 
 
-PG = ("ppo_multigpu", "appo_async")  # the scripts with the normalisers
+NORMALISED = ("a2c_multigpu", "ppo_multigpu", "appo_async")  # the scripts with the normalisers
+PG = ("ppo_multigpu", "appo_async")  # and with --activation
 
 
-@pytest.mark.parametrize("script", PG)
+@pytest.mark.parametrize("script", NORMALISED)
 def test_forward_normalises_the_input_and_returns_the_value_in_return_units(script):
     ppo = load_algo(script)
     agent, obs = _fitted_agent(ppo, normalize_input=True, normalize_value=True)
@@ -146,6 +147,65 @@ def test_appo_value_loss_in_units_of_the_returns_std():
     torch.testing.assert_close(stats["value_loss"], ref)
 
 
+def _a2c_rollout(T=4, B=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    term = torch.rand(T, B, generator=g) < 0.2
+    trunc = (torch.rand(T, B, generator=g) < 0.1) & ~term
+    rollout = {"obs": torch.randint(0, 256, (T, B, 4, 84, 84), generator=g, dtype=torch.uint8),
+               "actions": torch.randint(0, 6, (T, B), generator=g),
+               "rewards": torch.randn(T, B, generator=g), "terminated": term, "truncated": trunc,
+               "final_values": (torch.randn(T, B, generator=g) * 4 + 3) * trunc}
+    return rollout, torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8)
+
+
+def test_a2c_value_loss_in_units_of_the_returns_std():
+    """A2C's --normalize-value: the n-step returns bootstrap from the value in return units, and
+    the value loss is 0.5 * mean(((v - R) / std)^2)."""
+    a2c = load_algo("a2c_multigpu")
+    agent, _ = _fitted_agent(a2c, normalize_input=True, normalize_value=True)
+    rollout, next_obs = _a2c_rollout()
+    args = a2c.Args()
+    _, stats, returns = a2c.a2c_loss(agent, rollout, next_obs, args)
+    with torch.no_grad():
+        value = agent(rollout["obs"].flatten(0, 1))[1]
+        next_value = agent(next_obs)[1]
+    ref_returns = a2c.nstep_returns(rollout["rewards"], rollout["terminated"],
+                                    rollout["truncated"], rollout["final_values"], next_value,
+                                    args.gamma).flatten()
+    torch.testing.assert_close(returns, ref_returns)
+    s = agent.value_norm.std()
+    assert s.item() > 2  # the fitted returns' deviation is about 4: the units matter
+    torch.testing.assert_close(stats["value_loss"], 0.5 * (((value - ref_returns) / s) ** 2).mean())
+
+
+def test_a2c_update_takes_the_rollout_into_the_statistics_after_its_step():
+    """The step on a rollout is taken under the statistics before it (its loss and bootstrap value
+    see one set); then its frames / 255 and its returns are folded in."""
+    from common.grad_step import AllReduceStep
+    a2c = load_algo("a2c_multigpu")
+    agent, _ = _fitted_agent(a2c, normalize_input=True, normalize_value=True)
+    twin, _ = _fitted_agent(a2c, normalize_input=True, normalize_value=True)
+    rollout, next_obs = _a2c_rollout()
+    args = a2c.Args(optimizer="adam", max_grad_norm=0.0)  # no clip: gradients compare as they are
+    before = {k: v.clone() for k, v in agent.state_dict().items() if "_norm." in k}
+    loss, _, returns = a2c.a2c_loss(twin, rollout, next_obs, args)  # under the old statistics
+    loss.backward()
+    a2c.a2c_update(agent, AllReduceStep(agent, a2c.make_optimizer(agent, args, 1e-3),
+                                        args.max_grad_norm), rollout, next_obs, args)
+    for p, q in zip(agent.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    expected = RunningNorm(()), RunningNorm((4, 84, 84))
+    for norm, key in zip(expected, ("value_norm", "obs_norm")):
+        norm.load_state_dict({k.split(".", 1)[1]: v for k, v in before.items()
+                              if k.startswith(key)})
+    expected[0].update(returns)
+    expected[1].update(rollout["obs"].flatten(0, 1), scale=1 / 255.0)
+    for norm, key in zip(expected, ("value_norm", "obs_norm")):
+        for k, v in norm.state_dict().items():
+            torch.testing.assert_close(agent.state_dict()[f"{key}.{k}"], v)
+    assert agent.value_norm.count.item() == 32 + 32  # the fit's batch and this rollout's 4 x 8
+
+
 @pytest.mark.parametrize("script", PG)
 def test_activation_elu(script):
     ppo = load_algo(script)
@@ -155,18 +215,21 @@ def test_activation_elu(script):
     assert torch.nn.ReLU in kinds and torch.nn.ELU not in kinds
 
 
-@pytest.mark.parametrize("script", PG)
+@pytest.mark.parametrize("script", NORMALISED)
 @pytest.mark.parametrize("options", [{}, {"activation": "elu", "normalize_input": True,
                                           "normalize_value": True}])
 def test_evaluate_rebuilds_the_trained_network(options, script):
-    """benchmarks/evaluate.py's network for a PPO or APPO checkpoint: the normalisers from the
-    weights, the activation from the run's flags; the same outputs as the trained agent."""
+    """benchmarks/evaluate.py's network for an A2C, PPO or APPO checkpoint: the normalisers from
+    the weights, PPO's and APPO's activation from the run's flags; the same outputs as the
+    trained agent."""
     from common.trained import build_network
     ppo = load_algo(script)
+    if script not in PG:
+        options = {k: v for k, v in options.items() if k != "activation"}
     agent, obs = _fitted_agent(ppo, **options)
     weights = agent.state_dict()
-    net = build_network(ppo, "pg", weights, 6, ppo.Args(activation=options.get("activation",
-                                                                                 "relu")))
+    run = ppo.Args(**{k: v for k, v in options.items() if k == "activation"})
+    net = build_network(ppo, "pg", weights, 6, run)
     net.load_state_dict(weights)
     for a, b in zip(net(obs), agent(obs)):
         torch.testing.assert_close(a, b)
