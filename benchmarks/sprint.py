@@ -98,9 +98,13 @@ A2C_ENVS, A2C_STEPS = 32, 4  # 128 transitions per update in 4-step rollouts (La
 
 def a2c_recipe(ranks: int = 1) -> list[str]:
     """a2c_multigpu.py's flags, each rank's (ranks > 1: A3C, the environments split between
-    them), whatever the cores: a larger batch per update would be a new recipe."""
+    them), whatever the cores: a larger batch per update would be a new recipe. A3C takes Lapan's
+    A3C rate, 1e-3: each rank steps on its own half of the batch, so the central parameters take
+    twice A2C's steps per transition, and at A2C's 3e-3 the network's features went constant
+    (docs/results.md)."""
+    lr = "3e-3" if ranks == 1 else "1e-3"
     return ["--num-envs", str(A2C_ENVS // ranks), "--num-steps", str(A2C_STEPS),
-            "--optimizer", "adam", "--learning-rate", "3e-3", "--adam-eps", "1e-3",
+            "--optimizer", "adam", "--learning-rate", lr, "--adam-eps", "1e-3",
             "--no-anneal-lr", "--max-grad-norm", "0.1", "--vf-coef", "2",
             *(["--asynchronous"] if ranks > 1 else [])]
 

@@ -46,8 +46,8 @@ def test_recipe_scales_envs_with_cores_and_keeps_rl_games_batch(cores, envs, ste
 def test_each_algo_recipe_is_flags_its_script_takes(algo, script, ranks):
     """--algo picks the script and its recipe: APPO PPO's recipe (the same loss, lag-corrected),
     A2C 32 envs x 4 steps with Adam 3e-3 (epsilon 1e-3), a 0.1 gradient clip and a squared
-    error of weight 1 (Lapan's Pong settings), A3C
-    the same split over 2 ranks; the script's own parser takes every flag."""
+    error of weight 1 (Lapan's Pong settings), A3C the same split over 2 ranks at Lapan's A3C
+    rate of 1e-3; the script's own parser takes every flag."""
     got_script, got_ranks, flags = sprint.algo_recipe(algo, 2)
     assert (got_script, got_ranks) == (script, ranks)
     a = tyro.cli(load_algo(script).Args, args=flags)
@@ -59,7 +59,7 @@ def test_each_algo_recipe_is_flags_its_script_takes(algo, script, ranks):
     else:
         assert a.num_envs * (ranks or 1) == 32 and a.num_steps == 4
         assert (a.optimizer, a.learning_rate, a.anneal_lr, a.max_grad_norm) == (
-            "adam", 3e-3, False, 0.1)
+            "adam", 1e-3 if ranks else 3e-3, False, 0.1)
         assert (a.adam_eps, a.vf_coef) == (1e-3, 2.0)  # 2 x 0.5 (V - R)^2: Lapan's MSE
         assert a.asynchronous == (algo == "a3c") and a.lr_scaling == "none"
         assert a.gae_lambda == 1.0 and a.gamma == 0.99  # n-step returns, as Lapan's
